@@ -1,0 +1,60 @@
+"""The `clora` command line: `clora serve`, `clora bench ...`.
+
+Argument parsing only; each subcommand hands typed settings to the component
+that does the work. Environment variables are read by `clora_feedback.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from clora_feedback.config import load_settings
+    from clora_feedback.gateway.app import serve
+
+    settings = load_settings(args.config, host=args.host, port=args.port)
+    if args.model:
+        settings.engine.model = args.model
+    serve(settings)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from clora_feedback.bench import run_bench
+
+    return run_bench(args.what, args.extra)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clora", description="Agents that keep learning from their users.")
+    parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="Run the OpenAI-compatible gateway on the embedded engine.")
+    serve.add_argument("--host", default=None, help="Bind address (default 127.0.0.1).")
+    serve.add_argument("--port", type=int, default=None, help="Port (default 8000).")
+    serve.add_argument("--config", type=Path, default=None, help="JSON or YAML settings file.")
+    serve.add_argument("--model", default=None, help="Base model: the default name or a HF model directory.")
+    serve.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="Run a benchmark and print its table.")
+    bench.add_argument("what", choices=["serve"], help="Which benchmark.")
+    bench.add_argument("extra", nargs=argparse.REMAINDER, help="Options passed to the benchmark.")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Serving engines: the Engine Protocol, value types and the embedded torch engine."""

@@ -1,0 +1,52 @@
+"""Incremental detokenisation with stop strings held back.
+
+Text is released only when it is final: a trailing replacement character
+(half a multi-byte UTF-8 sequence) waits for the next token, and the last
+`len(longest stop) - 1` characters wait until they cannot start a stop string.
+
+Not here: token selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas for one sequence."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop: tuple[str, ...] = ()
+    token_ids: list[int] = field(default_factory=list)
+    emitted: int = 0  # characters of the decoded text already released
+    text: str = ""
+
+    def add(self, token_id: int | None) -> tuple[str, bool]:
+        """Append a token (None: just flush nothing new). Returns (new final text, hit a stop string)."""
+        if token_id is not None:
+            self.token_ids.append(token_id)
+            self.text = str(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s) + 1))
+            if at != -1:
+                self.text = self.text[:at]
+                return self._release(len(self.text)), True
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        end = len(self.text) - hold
+        if self.text.endswith("\ufffd"):
+            end = min(end, len(self.text) - 1)
+        return self._release(end), False
+
+    def flush(self) -> str:
+        """Release everything left (the sequence finished without a stop string)."""
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,487 @@
+"""The embedded torch engine: continuous batching over one warm base model, per-row multi-LoRA.
+
+One background thread owns the model and runs the step loop; callers on any
+asyncio loop submit requests and receive chunks through `RequestStreamImpl`.
+Each step, in order:
+
+1. apply pending adapter operations (install, in-place update, removal), so an
+   update lands between decode steps and never inside a forward pass;
+2. drop aborted sequences, freeing their KV-cache rows at once;
+3. admit waiting sequences into free rows (loading their adapter into a slot,
+   evicting an idle one if needed);
+4. prefill admitted prompts in chunks under a token budget, so a long prompt
+   cannot stall the other rows for long;
+5. decode one token for every running sequence, all agents in one batch.
+
+Not here: HTTP, chat templates, persistence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from clora_feedback.config import EngineConfig
+from clora_feedback.engine.detok import Detokenizer
+from clora_feedback.engine.model import KVCache, LoRAModel
+from clora_feedback.engine.sampling import RowSampler, sample_batch
+from clora_feedback.engine.stream import RequestStreamImpl, engine_failure
+from clora_feedback.engine.types import (
+    BASE_VERSION,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    TokenEvent,
+)
+from clora_feedback.errors import (
+    ContextLengthError,
+    EngineError,
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+)
+from clora_feedback.lora.ops import LoRABatch
+from clora_feedback.lora.weights import LoRALimits, LoRAWeights
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: GenerationRequest
+    stream: RequestStreamImpl
+    sampler: RowSampler
+    detok: Detokenizer
+    stop_ids: frozenset[int]
+    row: int = -1
+    slot: int = 0
+    prefilled: int = 0  # prompt tokens already in the cache
+    generated: int = 0
+    last_token: int = -1
+    pending: list[TokenEvent] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+
+@dataclass
+class _Slot:
+    agent: str | None = None
+    version: int = BASE_VERSION
+    last_used: float = 0.0
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+class EmbeddedEngine:
+    """Reference `Engine`: torch on CPU or CUDA, one model, many adapters, one batch."""
+
+    prefill_chunk_tokens = 512
+
+    def __init__(
+        self, model_dir: Path, config: EngineConfig | None = None, *, model_name: str | None = None
+    ):
+        config = config or EngineConfig()
+        self.config = config
+        self._model_name = model_name or Path(model_dir).name
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.model = LoRAModel.from_dir(
+            Path(model_dir),
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            target_modules=tuple(config.lora_target_modules),
+            dtype=_DTYPES[config.dtype],
+            device=self.device,
+        )
+        self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self._max_len = min(config.max_model_len, self.model.config.max_position_embeddings)
+        self.cache = KVCache(
+            self.model.config, config.max_num_seqs, self._max_len, self.model.dtype, self.device
+        )
+        eos = set(self.model.config.eos_token_ids)
+        if self._tokenizer.eos_token_id is not None:
+            eos.add(int(self._tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+
+        self._lock = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._by_id: dict[str, _Sequence] = {}
+        self._aborts: set[str] = set()
+        self._free_rows = list(range(config.max_num_seqs))
+        self._adapters: dict[str, tuple[int, LoRAWeights]] = {}  # host copies: the source of truth
+        self._dirty: set[str] = (
+            set()
+        )  # agents whose host copy changed since it was written to a slot
+        self._slots = [_Slot() for _ in range(self.model.num_slots)]
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._steps = 0
+        self._generated = 0
+        self._ids = itertools.count()
+        self.last_publish_s: float | None = None
+
+    # -- Engine Protocol: properties and lifecycle -----------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    @property
+    def lora_limits(self) -> LoRALimits:
+        return self.model.limits
+
+    async def start(self) -> None:
+        self.start_thread()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.stop_thread)
+
+    def start_thread(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="clora-engine", daemon=True)
+            self._thread.start()
+
+    def stop_thread(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # -- Engine Protocol: requests ---------------------------------------------------
+
+    def add_request(self, request: GenerationRequest) -> RequestStreamImpl:
+        sp = request.sampling
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if sp.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        total = len(request.prompt_token_ids) + sp.max_tokens
+        if total > self._max_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self._max_len} tokens; the request needs "
+                f"{len(request.prompt_token_ids)} prompt + {sp.max_tokens} completion tokens",
+                param="max_tokens" if len(request.prompt_token_ids) < self._max_len else "messages",
+            )
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        loop = asyncio.get_running_loop()
+        stream = RequestStreamImpl(request.request_id, loop, self._abort)
+        seq = _Sequence(
+            request=request,
+            stream=stream,
+            sampler=RowSampler.create(sp, request.constraint),
+            detok=Detokenizer(self._tokenizer, sp.stop),
+            stop_ids=frozenset(() if sp.ignore_eos else self.eos_token_ids)
+            | frozenset(sp.stop_token_ids),
+        )
+        with self._lock:
+            if request.agent is not None and request.agent not in self._adapters:
+                raise NotFoundError(
+                    f"no adapter is loaded for agent {request.agent!r}", param="model"
+                )
+            if request.request_id in self._by_id:
+                raise InvalidRequestError(f"duplicate request id {request.request_id}")
+            capacity = self.config.max_num_seqs + self.config.max_waiting
+            if len(self._waiting) + len(self._running) >= capacity:
+                raise OverloadedError(
+                    f"the engine is at capacity ({capacity} requests); retry shortly",
+                    retry_after_s=1.0,
+                )
+            self._waiting.append(seq)
+            self._by_id[request.request_id] = seq
+            self._lock.notify_all()
+        return stream
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._by_id:
+                self._aborts.add(request_id)
+                self._lock.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Abort by id (same as `RequestStream.abort`)."""
+        self._abort(request_id)
+
+    # -- Engine Protocol: adapters ---------------------------------------------------
+
+    def set_adapter(self, agent: str, version: int, weights: LoRAWeights) -> None:
+        weights.validate(self.model.limits)  # raises AdapterError before anything changes
+        copy = weights.clone()
+        with self._lock:
+            self._adapters[agent] = (version, copy)
+            self._dirty.add(agent)
+            self._lock.notify_all()
+
+    def remove_adapter(self, agent: str) -> None:
+        with self._lock:
+            if agent not in self._adapters:
+                raise NotFoundError(f"no adapter is loaded for agent {agent!r}", param="lora_name")
+            del self._adapters[agent]
+            self._dirty.add(agent)
+            self._lock.notify_all()
+
+    def adapter_version(self, agent: str) -> int | None:
+        with self._lock:
+            entry = self._adapters.get(agent)
+            return entry[0] if entry else None
+
+    def adapters(self) -> dict[str, int]:
+        with self._lock:
+            return {a: v for a, (v, _) in self._adapters.items()}
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                running=len(self._running),
+                waiting=len(self._waiting),
+                max_num_seqs=self.config.max_num_seqs,
+                max_waiting=self.config.max_waiting,
+                steps=self._steps,
+                generated_tokens=self._generated,
+                adapters={a: v for a, (v, _) in self._adapters.items()},
+            )
+
+    # -- the step loop -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (
+                    self._stopping or self._waiting or self._running or self._aborts or self._dirty
+                ):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception as exc:  # a failed step must not kill serving: fail its rows
+                log.exception("engine step failed")
+                self._fail_all(engine_failure(exc))
+        self._fail_all(EngineError("the engine stopped"))
+
+    def step(self) -> None:
+        """One scheduling + forward step (called by the engine thread)."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+            aborts, self._aborts = self._aborts, set()
+            adapters = dict(self._adapters)
+        self._apply_adapter_changes(dirty, adapters)
+        for request_id in aborts:
+            self._finish_by_id(request_id, "abort")
+        self._admit(adapters)
+        if not self._running:
+            return
+        ready = self._prefill()
+        decoding = [s for s in self._running if not s.in_prefill and s not in ready]
+        if decoding:
+            self._decode(decoding)
+        self._steps += 1
+
+    def _apply_adapter_changes(
+        self, dirty: set[str], adapters: dict[str, tuple[int, LoRAWeights]]
+    ) -> None:
+        for agent in dirty:
+            slot = self._slot_of(agent)
+            if slot is None:
+                continue
+            if agent in adapters:
+                t0 = time.perf_counter()
+                version, weights = adapters[agent]
+                self.model.write_slot(slot, weights)
+                self._slots[slot].version = version
+                self.last_publish_s = time.perf_counter() - t0
+            elif not any(s.slot == slot for s in self._running):
+                self.model.clear_slot(slot)
+                self._slots[slot] = _Slot()
+            # else: removed while in use; running rows keep the old weights, freed when idle
+
+    def _slot_of(self, agent: str) -> int | None:
+        for i, slot in enumerate(self._slots):
+            if i and slot.agent == agent:
+                return i
+        return None
+
+    def _acquire_slot(self, agent: str, adapters: dict[str, tuple[int, LoRAWeights]]) -> int | None:
+        slot = self._slot_of(agent)
+        if slot is None:
+            busy = {s.slot for s in self._running}
+            idle = [i for i in range(1, len(self._slots)) if i not in busy]
+            if not idle:
+                return None
+            # Prefer an empty slot, else evict the least recently used idle adapter.
+            slot = min(
+                idle, key=lambda i: (self._slots[i].agent is not None, self._slots[i].last_used)
+            )
+            version, weights = adapters[agent]
+            self.model.write_slot(slot, weights)
+            self._slots[slot] = _Slot(agent=agent, version=version)
+        self._slots[slot].last_used = time.monotonic()
+        return slot
+
+    def _admit(self, adapters: dict[str, tuple[int, LoRAWeights]]) -> None:
+        with self._lock:
+            candidates = list(self._waiting)
+        for seq in candidates:
+            if not self._free_rows:
+                break
+            agent = seq.request.agent
+            if agent is not None and agent not in adapters:
+                self._remove_waiting(seq)
+                self._emit_error(
+                    seq,
+                    NotFoundError(f"the adapter of agent {agent!r} was unloaded", param="model"),
+                )
+                continue
+            slot = 0 if agent is None else self._acquire_slot(agent, adapters)
+            if slot is None:
+                continue  # every slot is busy with other agents' running rows; try later
+            self._remove_waiting(seq)
+            seq.slot = slot
+            seq.row = heapq.heappop(self._free_rows)
+            self._running.append(seq)
+        self._running.sort(key=lambda s: s.row)
+
+    def _remove_waiting(self, seq: _Sequence) -> None:
+        with self._lock:
+            self._waiting.remove(seq)
+
+    def _prefill(self) -> list[_Sequence]:
+        """Advance prompts under the step's token budget; returns sequences that got their first token."""
+        budget = self.prefill_chunk_tokens
+        ready = []
+        for seq in [s for s in self._running if s.in_prefill]:
+            if budget <= 0:
+                break
+            start = seq.prefilled
+            end = min(seq.prompt_len, start + budget)
+            ids = torch.tensor(seq.request.prompt_token_ids[start:end], device=self.device)
+            logits = self.model.prefill(ids, self.cache, seq.row, seq.slot, start=start)
+            seq.prefilled = end
+            budget -= end - start
+            if not seq.in_prefill:
+                self._accept([seq], logits.unsqueeze(0))
+                ready.append(seq)
+        return ready
+
+    def _decode(self, seqs: list[_Sequence]) -> None:
+        tokens = torch.tensor([s.last_token for s in seqs], device=self.device)
+        positions = torch.tensor([s.prompt_len + s.generated - 1 for s in seqs], device=self.device)
+        lora = LoRABatch.from_slots([s.slot for s in seqs], self.device)
+        logits = self.model.decode(tokens, [s.row for s in seqs], positions, lora, self.cache)
+        self._accept(seqs, logits)
+
+    def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per sequence, stream it, and retire finished sequences."""
+        choices = sample_batch(logits, [s.sampler for s in seqs])
+        for seq, choice in zip(seqs, choices, strict=True):
+            reason: FinishReason | None = None
+            text = ""
+            if choice.token_id is None:
+                reason = "stop"
+            else:
+                seq.generated += 1
+                self._generated += 1
+                seq.last_token = choice.token_id
+                event = TokenEvent(
+                    choice.token_id,
+                    choice.logprob,
+                    self._slots[seq.slot].version,
+                    choice.top_logprobs,
+                )
+                constraint = seq.sampler.constraint
+                if constraint is not None:
+                    constraint.advance(choice.token_id)
+                if choice.token_id in seq.stop_ids:
+                    reason = "stop"  # EOS is kept as a token (the policy chose it) but has no text
+                else:
+                    text, hit_stop = seq.detok.add(choice.token_id)
+                    if hit_stop or (constraint is not None and constraint.is_done()):
+                        reason = "stop"
+                    elif seq.generated >= seq.request.sampling.max_tokens:
+                        reason = "length"
+                seq.stream.push(
+                    RequestOutput(
+                        seq.request.request_id, [event], text, prompt_tokens=seq.prompt_len
+                    )
+                )
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _finish_by_id(self, request_id: str, reason: FinishReason) -> None:
+        with self._lock:
+            seq = self._by_id.get(request_id)
+        if seq is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
+        with self._lock:
+            if self._by_id.pop(seq.request.request_id, None) is None:
+                return
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+        if seq in self._running:
+            self._running.remove(seq)
+            heapq.heappush(self._free_rows, seq.row)
+        tail = seq.detok.flush() if reason != "abort" else ""
+        seq.stream.push(
+            RequestOutput(
+                seq.request.request_id,
+                [],
+                tail,
+                finished=True,
+                finish_reason=reason,
+                prompt_tokens=seq.prompt_len,
+            )
+        )
+
+    def _emit_error(self, seq: _Sequence, error: Exception) -> None:
+        with self._lock:
+            self._by_id.pop(seq.request.request_id, None)
+        seq.stream.push(engine_failure(error))
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            victims = list(self._running) + list(self._waiting)
+            self._waiting.clear()
+        for seq in victims:
+            if seq in self._running:
+                self._running.remove(seq)
+                heapq.heappush(self._free_rows, seq.row)
+            self._emit_error(seq, error)

@@ -1,0 +1,134 @@
+"""Value types shared by every engine and by its callers (the gateway, the trainer).
+
+A request goes in as `GenerationRequest`; the engine streams `RequestOutput`
+chunks back, each carrying the `TokenEvent`s produced in one decode step. Every
+token knows the adapter version that produced it, so a trajectory can be
+replayed against exactly the policy that generated it.
+
+This module holds plain data only: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+
+BASE_VERSION = 0
+"""Adapter version reported for tokens generated with no adapter (the base model)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one sequence.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_p: nucleus mass kept before sampling, in (0, 1].
+        seed: per-request RNG seed; the same seed and prompt give the same output.
+        stop: strings that end generation; the matched string is not returned.
+        stop_token_ids: token ids that end generation (the tokenizer's EOS is added by the engine).
+        logprobs: return each sampled token's logprob in `TokenEvent.top_logprobs` too.
+        top_logprobs: how many alternatives to report per position (0..20).
+        ignore_eos: keep generating past EOS (benchmarks only).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+
+class TokenConstraint(Protocol):
+    """Restricts which tokens a sequence may take next (e.g. forced JSON tool calls).
+
+    The engine draws candidates in order of sampled preference and takes the
+    first one the constraint `allows`; it then calls `advance`. When `is_done`
+    turns true the sequence finishes with reason "stop".
+    """
+
+    def allows(self, token_id: int) -> bool: ...
+
+    def advance(self, token_id: int) -> None: ...
+
+    def is_done(self) -> bool: ...
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate.
+
+    Attributes:
+        request_id: unique id chosen by the caller; used to abort.
+        agent: agent whose adapter serves this request; None serves the base model.
+        prompt_token_ids: the full prompt as engine token ids.
+        sampling: sampling parameters.
+        constraint: optional token constraint (forced tool calls).
+    """
+
+    request_id: str
+    agent: str | None
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    constraint: TokenConstraint | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token.
+
+    Attributes:
+        token_id: engine token id.
+        logprob: behaviour logprob of this token under the sampling distribution's
+            source policy (log-softmax of the raw logits, before temperature/top_p).
+        adapter_version: version of the agent's adapter that produced the token
+            (`BASE_VERSION` when no adapter was active).
+        top_logprobs: (token_id, logprob) alternatives, most likely first; empty
+            unless requested.
+    """
+
+    token_id: int
+    logprob: float
+    adapter_version: int
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """What one decode step produced for one request.
+
+    Attributes:
+        request_id: the request this belongs to.
+        tokens: tokens generated in this step (usually one).
+        text: detokenised text newly made final by this step (stop strings held back).
+        finished: true on the last chunk of a request.
+        finish_reason: why it finished, on the last chunk only.
+        prompt_tokens: length of the prompt (repeated on every chunk).
+    """
+
+    request_id: str
+    tokens: list[TokenEvent]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /health and /metrics."""
+
+    running: int
+    waiting: int
+    max_num_seqs: int
+    max_waiting: int
+    steps: int
+    generated_tokens: int
+    adapters: dict[str, int]

@@ -1,0 +1,93 @@
+"""The one exception hierarchy of clora-feedback.
+
+Every error raised on purpose by this package derives from `CloraError` and
+carries its behaviour as attributes, so callers never match on message text:
+
+    CloraError                      http_status=500, retriable=False
+    ├── InvalidRequestError         400  a request parameter is wrong (names `param`)
+    │   └── ContextLengthError      400  prompt + max_tokens exceed the context window
+    ├── AuthenticationError         401  missing or unknown API key
+    ├── PermissionDeniedError       403  the key may not touch this agent or route
+    ├── NotFoundError               404  unknown agent, model, adapter or completion
+    ├── ConflictError               409  state conflict (e.g. adapter already loaded)
+    ├── OverloadedError             429  the request queue is full (retriable)
+    ├── AdapterError                400  an adapter is malformed or exceeds engine limits
+    ├── EngineError                 500  the engine failed while generating
+    └── StoreError                  500  durable storage failed (retriable)
+
+The gateway maps these to OpenAI error JSON in exactly one place
+(`clora_feedback.gateway.errors`); foreign exceptions are translated once at
+the boundary where they enter (`raise ... from exc`).
+"""
+
+from __future__ import annotations
+
+
+class CloraError(Exception):
+    """Base class. `http_status`, `error_type` and `retriable` describe behaviour."""
+
+    http_status: int = 500
+    error_type: str = "server_error"
+    retriable: bool = False
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(CloraError):
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    def __init__(self, message: str, *, param: str | None = "messages"):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class AuthenticationError(CloraError):
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class PermissionDeniedError(CloraError):
+    http_status = 403
+    error_type = "permission_error"
+
+
+class NotFoundError(CloraError):
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class ConflictError(CloraError):
+    http_status = 409
+    error_type = "conflict_error"
+
+
+class OverloadedError(CloraError):
+    http_status = 429
+    error_type = "rate_limit_error"
+    retriable = True
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0):
+        super().__init__(message, code="overloaded")
+        self.retry_after_s = retry_after_s
+
+
+class AdapterError(CloraError):
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class EngineError(CloraError):
+    http_status = 500
+    error_type = "server_error"
+
+
+class StoreError(CloraError):
+    http_status = 500
+    error_type = "server_error"
+    retriable = True

@@ -1,0 +1,1 @@
+"""Base models: the embedded default, Hugging Face directories, tiny test models."""

@@ -1,0 +1,138 @@
+"""The embedded engine: continuous batching, sampling, stop handling, adapters, limits."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from clora_feedback.config import EngineConfig
+from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.engine.types import GenerationRequest, RequestOutput, SamplingParams
+from clora_feedback.errors import AdapterError, ContextLengthError, NotFoundError, OverloadedError
+from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
+from clora_feedback.models.tiny import build_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", seed=1)
+
+
+def _engine(model_dir: Path, **kw: object) -> EmbeddedEngine:
+    config = EngineConfig(**{"max_num_seqs": 4, "max_loras": 3, "max_model_len": 256, **kw})  # type: ignore[arg-type]
+    return EmbeddedEngine(model_dir, config)
+
+
+def _req(rid: str, agent: str | None, prompt: list[int], **sp: object) -> GenerationRequest:
+    return GenerationRequest(rid, agent, prompt, SamplingParams(**sp))  # type: ignore[arg-type]
+
+
+def _tokens(chunks: list[RequestOutput]) -> list[int]:
+    return [t.token_id for c in chunks for t in c.tokens]
+
+
+async def test_outputs_do_not_depend_on_batch_neighbours(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    await engine.start()
+    try:
+        engine.set_adapter("a", 1, random_lora_weights(engine.lora_limits, seed=1, std=0.3))
+        prompt = engine.tokenizer.encode("The quick brown fox")
+        alone = await engine.add_request(_req("x", "a", prompt, max_tokens=12, temperature=0.8, seed=7)).collect()
+        streams = [engine.add_request(_req("y", "a", prompt, max_tokens=12, temperature=0.8, seed=7))]
+        streams += [engine.add_request(_req(f"n{i}", None, prompt[: i + 2], max_tokens=9)) for i in range(3)]
+        together = await asyncio.gather(*(s.collect() for s in streams))
+        assert _tokens(together[0]) == _tokens(alone)
+        assert all(t.adapter_version == 1 for c in alone for t in c.tokens)
+        assert all(t.adapter_version == 0 for c in together[1] for t in c.tokens)
+        assert together[1][-1].finish_reason in ("length", "stop")
+    finally:
+        await engine.stop()
+
+
+async def test_stop_strings_logprobs_and_text(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("abc")
+        full = await engine.add_request(_req("f", None, prompt, max_tokens=30, temperature=0.0, ignore_eos=True)).collect()
+        text = "".join(c.text for c in full)
+        ids = _tokens(full)
+        assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+        assert full[-1].finish_reason == "length" and len(ids) == 30
+        stop = text[5:7]
+        if stop.strip() and "\ufffd" not in stop:
+            cut = await engine.add_request(
+                _req("s", None, prompt, max_tokens=30, temperature=0.0, stop=(stop,), ignore_eos=True)
+            ).collect()
+            assert "".join(c.text for c in cut) == text[: text.index(stop)]
+            assert cut[-1].finish_reason == "stop"
+        lp = await engine.add_request(
+            _req("l", None, prompt, max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+        ).collect()
+        for t in (t for c in lp for t in c.tokens):
+            assert len(t.top_logprobs) == 3 and t.top_logprobs[0][0] == t.token_id  # greedy = top-1
+            assert t.logprob == pytest.approx(t.top_logprobs[0][1]) and t.logprob <= 0
+    finally:
+        await engine.stop()
+
+
+async def test_adapter_update_lands_between_steps_mid_stream(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    await engine.start()
+    try:
+        limits = engine.lora_limits
+        engine.set_adapter("a", 1, random_lora_weights(limits, seed=1))
+        prompt = engine.tokenizer.encode("hello")
+        stream = engine.add_request(_req("m", "a", prompt, max_tokens=200, temperature=0.0, ignore_eos=True))
+        versions: list[int] = []
+        async for chunk in stream:
+            versions += [t.adapter_version for t in chunk.tokens]
+            if len(versions) == 5:
+                engine.set_adapter("a", 2, random_lora_weights(limits, seed=2))
+        assert versions[0] == 1 and versions[-1] == 2
+        assert versions == sorted(versions)  # a single switch, never back
+        with pytest.raises(AdapterError):  # bad adapter refused; the agent keeps serving v2
+            engine.set_adapter("a", 3, LoRAWeights(rank=64, alpha=1.0, tensors={}))
+        assert engine.adapter_version("a") == 2
+    finally:
+        await engine.stop()
+
+
+async def test_more_agents_than_slots_and_limits(model_dir: Path) -> None:
+    engine = _engine(model_dir, max_loras=2, max_waiting=2, max_num_seqs=2)
+    await engine.start()
+    try:
+        for i in range(4):
+            engine.set_adapter(f"a{i}", 1, random_lora_weights(engine.lora_limits, seed=i))
+        prompt = engine.tokenizer.encode("hi")
+        streams = [engine.add_request(_req(f"r{i}", f"a{i}", prompt, max_tokens=6)) for i in range(4)]
+        with pytest.raises(OverloadedError):
+            engine.add_request(_req("over", None, prompt, max_tokens=2))
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        assert all(r[-1].finished and len(_tokens(r)) >= 1 for r in results)
+        with pytest.raises(ContextLengthError):
+            engine.add_request(_req("long", None, prompt, max_tokens=300))
+        with pytest.raises(NotFoundError):
+            engine.add_request(_req("nf", "nobody", prompt))
+    finally:
+        await engine.stop()
+
+
+async def test_abort_frees_the_row_at_once(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("hello")
+        stream = engine.add_request(_req("ab", None, prompt, max_tokens=200, ignore_eos=True))
+        async for chunk in stream:
+            if chunk.tokens:
+                break  # leaving the loop early aborts the request
+        for _ in range(100):
+            if engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().running == 0
+    finally:
+        await engine.stop()
