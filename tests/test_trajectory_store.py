@@ -1,0 +1,220 @@
+"""Trajectory store: round trips, WAL, conflicts, ordering, crash durability, async facade."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
+from clora_feedback.store.trajectories import (
+    SCHEMA_VERSION,
+    AsyncTrajectoryStore,
+    SampleRecord,
+    TrajectoryRecord,
+    TrajectoryStore,
+)
+
+
+def make_record(
+    id: str = "chatcmpl-1", *, agent: str = "support", created_at: float = 1000.0, n: int = 1
+) -> TrajectoryRecord:
+    samples = [
+        SampleRecord(
+            index=i,
+            text=f"héllo 🤖 {i}",
+            completion_token_ids=[5 + i, 49151, 0, 2],
+            logprobs=[-0.1234567890123, -2.5e-7, -13.75, -0.0],
+            token_versions=[3, 3, 4, 4],
+            finish_reason="tool_calls" if i else "stop",
+            tool_calls=(
+                [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+                if i
+                else None
+            ),
+        )
+        for i in range(n)
+    ]
+    return TrajectoryRecord(
+        id=id,
+        agent=agent,
+        adapter_version=3,
+        kind="chat",
+        request={"messages": [{"role": "user", "content": "ünïcode"}], "temperature": 0.7},
+        prompt_token_ids=[1, 4093, 198, 2147483647],
+        samples=samples,
+        created_at=created_at,
+        timings={"queue_s": 0.001, "ttft_s": 0.25, "total_s": 1.5},
+        api_key_agent="support",
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with TrajectoryStore(tmp_path / "t.db") as s:
+        yield s
+
+
+def test_round_trip_preserves_every_field(store: TrajectoryStore) -> None:
+    original = make_record(n=2)
+    store.record(original)
+    assert store.get(original.id) == original
+    minimal = TrajectoryRecord(
+        id="cmpl-2",
+        agent="base",
+        adapter_version=0,
+        kind="completion",
+        request={"prompt": "x"},
+        prompt_token_ids=[],
+        samples=[SampleRecord(0, "", [], [], [], None)],
+        created_at=1.5,
+    )
+    store.record(minimal)
+    assert store.get("cmpl-2") == minimal
+
+
+def test_wal_mode_and_schema_version(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    TrajectoryStore(path, synchronous="FULL").close()
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    finally:
+        conn.close()
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    TrajectoryStore(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="newer"):
+        TrajectoryStore(path)
+
+
+def test_duplicate_id_conflicts_and_keeps_the_first(store: TrajectoryStore) -> None:
+    store.record(make_record(agent="a"))
+    with pytest.raises(ConflictError):
+        store.record(make_record(agent="b", n=3))
+    assert store.count() == 1
+    assert store.get("chatcmpl-1").agent == "a"
+    assert len(store.get("chatcmpl-1").samples) == 1
+
+
+def test_get_unknown_is_not_found(store: TrajectoryStore) -> None:
+    with pytest.raises(NotFoundError):
+        store.get("chatcmpl-missing")
+
+
+def test_list_is_newest_first_and_filters(store: TrajectoryStore) -> None:
+    for i, (agent, ts) in enumerate([("a", 10.0), ("b", 30.0), ("a", 20.0), ("a", 20.0)]):
+        store.record(make_record(f"c{i}", agent=agent, created_at=ts))
+    assert [t.id for t in store.list()] == ["c1", "c3", "c2", "c0"]  # ties: later insert first
+    assert [t.id for t in store.list("a")] == ["c3", "c2", "c0"]
+    assert [t.id for t in store.list("a", limit=2)] == ["c3", "c2"]
+    assert [t.id for t in store.list(before=20.0)] == ["c0"]
+    assert store.list("nobody") == []
+    assert (store.count(), store.count("a"), store.count("b"), store.count("z")) == (4, 3, 1, 0)
+    assert store.list("b")[0] == store.get("c1")
+    with pytest.raises(InvalidRequestError):
+        store.list(limit=0)
+
+
+def test_inconsistent_records_are_rejected() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        SampleRecord(0, "x", [1, 2], [-0.5], [1, 1], "stop")
+    sample = SampleRecord(0, "x", [1], [-0.5], [1], "stop")
+    with pytest.raises(ValueError, match="duplicate"):
+        dataclasses.replace(make_record(), samples=[sample, sample])
+
+
+def test_sqlite_errors_become_store_errors(tmp_path: Path) -> None:
+    s = TrajectoryStore(tmp_path / "t.db")
+    s.close()
+    with pytest.raises(StoreError) as info:
+        s.record(make_record())
+    assert isinstance(info.value.__cause__, sqlite3.Error)
+    assert info.value.retriable
+
+
+def test_concurrent_threads_and_second_reader(tmp_path: Path, store: TrajectoryStore) -> None:
+    def write(k: int) -> None:
+        for j in range(10):
+            store.record(make_record(f"t{k}-{j}", created_at=float(j)))
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with TrajectoryStore(store.path) as reader:  # another connection sees committed data
+        assert reader.count() == 40
+        assert reader.get("t3-9") == store.get("t3-9")
+
+
+_KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    sys.path.insert(0, {tests_dir!r})
+    from test_trajectory_store import make_record
+    from clora_feedback.store.trajectories import TrajectoryStore
+
+    store = TrajectoryStore(Path({db!r}))
+    store.record(make_record("chatcmpl-before-kill", n=2))
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_record_survives_sigkill_right_after_return(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    script = _KILL_SCRIPT.format(tests_dir=str(Path(__file__).parent), db=str(db))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    with TrajectoryStore(db) as reopened:
+        assert reopened.get("chatcmpl-before-kill") == make_record("chatcmpl-before-kill", n=2)
+
+
+async def test_async_store_round_trip_and_order(tmp_path: Path) -> None:
+    async with AsyncTrajectoryStore(tmp_path / "t.db") as store:
+        records = [make_record(f"a{i}", created_at=5.0) for i in range(20)]
+        await asyncio.gather(*(store.record(r) for r in records))
+        assert await store.count() == 20
+        assert await store.get("a7") == records[7]
+        # One writer thread commits in submission order, so equal timestamps list reversed.
+        assert [t.id for t in await store.list(limit=20)] == [f"a{i}" for i in reversed(range(20))]
+        with pytest.raises(ConflictError):
+            await store.record(records[0])
+        with pytest.raises(NotFoundError):
+            await store.get("nope")
+        assert store.store.count("support") == 20
+    with pytest.raises(StoreError):
+        await store.count()
+    await store.stop()  # idempotent
+
+
+async def test_async_store_runs_off_the_event_loop_thread(tmp_path: Path) -> None:
+    store = AsyncTrajectoryStore(tmp_path / "t.db")
+    with pytest.raises(StoreError, match="not started"):
+        await store.record(make_record())
+    await store.start()
+    await store.start()  # idempotent
+    try:
+        seen: list[str] = []
+        await store._run(lambda: seen.append(threading.current_thread().name))
+        assert seen and seen[0] != threading.current_thread().name
+        assert seen[0].startswith("clora-trajectories")
+    finally:
+        await store.stop()
