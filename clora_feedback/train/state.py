@@ -1,0 +1,257 @@
+"""Per-agent training state in host memory, and the device slots it is swapped into.
+
+An agent's trainable state is four flat fp32 buffers of equal length: the
+LoRA parameters (the fp32 master copy), Adam's first and second moments, and
+the gradient. A fixed `LoRALayout` maps the flat buffer to per-projection
+views A [r, in] and B [out, r], so a swap is four contiguous copies and an
+optimizer step is a handful of vectorised ops, whatever the number of layers.
+
+Host buffers are pinned when CUDA is present (so copies are asynchronous);
+`TrainingSlot` holds the device-side twins. On a CPU-only machine the "device"
+is host memory too and a swap is a memcpy, still measured and logged.
+
+Not here: forward/backward (see `forward`), losses (`loss`), scheduling (`trainer`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from clora_feedback.lora.weights import LoRALimits, LoRAWeights, module_key
+
+
+@dataclass(frozen=True)
+class LoRALayout:
+    """Where each projection's A and B live inside a flat parameter buffer.
+
+    Attributes:
+        rank: LoRA rank r.
+        alpha: LoRA alpha (scaling = alpha / r).
+        entries: (key, offset_a, shape_a, offset_b, shape_b) in a fixed order.
+        numel: total number of parameters.
+    """
+
+    rank: int
+    alpha: float
+    entries: tuple[tuple[str, int, tuple[int, int], int, tuple[int, int]], ...]
+    numel: int
+
+    @classmethod
+    def build(
+        cls, limits: LoRALimits, rank: int, alpha: float, target_modules: tuple[str, ...]
+    ) -> LoRALayout:
+        entries = []
+        offset = 0
+        for layer in range(limits.num_layers):
+            for name in target_modules:
+                fan_in, fan_out = limits.shapes[name]
+                a_shape, b_shape = (rank, fan_in), (fan_out, rank)
+                entries.append(
+                    (module_key(layer, name), offset, a_shape, offset + rank * fan_in, b_shape)
+                )
+                offset += rank * fan_in + fan_out * rank
+        return cls(rank, alpha, tuple(entries), offset)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def views(self, flat: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per-projection (A, B) views into `flat` (no copies; gradients flow to `flat`)."""
+        out = {}
+        for key, oa, sa, ob, sb in self.entries:
+            a = flat[oa : oa + sa[0] * sa[1]].view(sa)
+            b = flat[ob : ob + sb[0] * sb[1]].view(sb)
+            out[key] = (a, b)
+        return out
+
+    def to_weights(self, flat: torch.Tensor) -> LoRAWeights:
+        """A detached fp32 copy as `LoRAWeights` (what the engine and the registry take)."""
+        copy = flat.detach().to("cpu", torch.float32, copy=True)
+        return LoRAWeights(rank=self.rank, alpha=self.alpha, tensors=self.views(copy))
+
+    def from_weights(self, weights: LoRAWeights) -> torch.Tensor:
+        """Flatten `weights` into this layout (missing projections are zero)."""
+        flat = torch.zeros(self.numel, dtype=torch.float32)
+        views = self.views(flat)
+        for key, (a, b) in weights.tensors.items():
+            if key in views:
+                views[key][0].copy_(a)
+                views[key][1].copy_(b)
+        return flat
+
+
+def init_lora(layout: LoRALayout, *, seed: int) -> torch.Tensor:
+    """Standard LoRA init: A ~ Kaiming-uniform, B = 0 (the adapter starts as the identity)."""
+    flat = torch.zeros(layout.numel, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    for a, _ in layout.views(flat).values():
+        bound = 1.0 / math.sqrt(a.shape[1])
+        a.uniform_(-bound, bound, generator=gen)
+    return flat
+
+
+def _host_buffer(numel: int) -> torch.Tensor:
+    buf = torch.zeros(numel, dtype=torch.float32)
+    return buf.pin_memory() if torch.cuda.is_available() else buf
+
+
+@dataclass
+class AgentTrainState:
+    """One agent's trainable state, resident in host memory between steps.
+
+    Attributes:
+        agent: the agent.
+        layout: where A/B live in the flat buffers.
+        params: [P] fp32 master LoRA parameters.
+        exp_avg: [P] Adam first moment.
+        exp_avg_sq: [P] Adam second moment.
+        step: optimizer steps taken.
+        version: adapter version these parameters were published as (or loaded from).
+        baseline: running mean reward (the advantage baseline when samples have no group).
+    """
+
+    agent: str
+    layout: LoRALayout
+    params: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int = 0
+    version: int = 0
+    baseline: float | None = None
+
+    @classmethod
+    def create(
+        cls, agent: str, layout: LoRALayout, params: torch.Tensor, *, version: int = 0
+    ) -> AgentTrainState:
+        host = _host_buffer(layout.numel)
+        host.copy_(params)
+        return cls(
+            agent,
+            layout,
+            host,
+            _host_buffer(layout.numel),
+            _host_buffer(layout.numel),
+            version=version,
+        )
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """What the registry stores next to the PEFT files."""
+        return {
+            "exp_avg": self.exp_avg.detach().cpu().clone(),
+            "exp_avg_sq": self.exp_avg_sq.detach().cpu().clone(),
+            "step": torch.tensor([self.step], dtype=torch.int64),
+        }
+
+    def load_optimizer_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        if state is None or state["exp_avg"].numel() != self.layout.numel:
+            self.exp_avg.zero_()
+            self.exp_avg_sq.zero_()
+            self.step = 0
+            return
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.step = int(state["step"].item())
+
+
+@dataclass
+class TrainingSlot:
+    """Device-side buffers one agent's state is swapped into for a step."""
+
+    capacity: int
+    device: torch.device
+    params: torch.Tensor = field(init=False)
+    exp_avg: torch.Tensor = field(init=False)
+    exp_avg_sq: torch.Tensor = field(init=False)
+    owner: AgentTrainState | None = None
+    last_swap_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.params = torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
+        self.exp_avg = torch.zeros_like(self.params)
+        self.exp_avg_sq = torch.zeros_like(self.params)
+
+    def swap_in(self, state: AgentTrainState) -> torch.Tensor:
+        """Copy `state` onto the device; returns the trainable [P] parameter leaf."""
+        t0 = time.perf_counter()
+        n = state.layout.numel
+        if n > self.capacity:
+            raise ValueError(
+                f"agent {state.agent}: {n} parameters exceed the slot's {self.capacity}"
+            )
+        nb = self.device.type == "cuda"
+        self.params[:n].copy_(state.params, non_blocking=nb)
+        self.exp_avg[:n].copy_(state.exp_avg, non_blocking=nb)
+        self.exp_avg_sq[:n].copy_(state.exp_avg_sq, non_blocking=nb)
+        if nb:
+            torch.cuda.synchronize(self.device)
+        self.owner = state
+        self.last_swap_s = time.perf_counter() - t0
+        leaf = self.params[:n].detach().requires_grad_(True)
+        return leaf
+
+    def swap_out(self, leaf: torch.Tensor) -> float:
+        """Copy the (updated) device state back to the owner's host buffers; returns seconds spent."""
+        state = self.owner
+        if state is None:
+            raise RuntimeError("swap_out without swap_in")
+        t0 = time.perf_counter()
+        n = state.layout.numel
+        state.params.copy_(leaf.detach())
+        state.exp_avg.copy_(self.exp_avg[:n])
+        state.exp_avg_sq.copy_(self.exp_avg_sq[:n])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.owner = None
+        seconds = time.perf_counter() - t0
+        self.last_swap_s += seconds
+        return seconds
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """AdamW hyper-parameters (LoRA wants ~10x the full fine-tuning learning rate)."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+def adam_step(
+    params: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    cfg: AdamConfig,
+) -> float:
+    """One AdamW update in place on flat buffers (after gradient-norm clipping).
+
+    Args:
+        params, grad, exp_avg, exp_avg_sq: [P] fp32 buffers.
+        step: the step number after this update (>= 1).
+        cfg: hyper-parameters.
+
+    Returns:
+        The gradient norm before clipping.
+    """
+    with torch.no_grad():
+        norm = float(grad.norm().item())
+        if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
+            grad = grad * (cfg.max_grad_norm / (norm + 1e-12))
+        b1, b2 = cfg.betas
+        exp_avg.mul_(b1).add_(grad, alpha=1 - b1)
+        exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        bias1 = 1 - b1**step
+        bias2 = 1 - b2**step
+        denom = (exp_avg_sq / bias2).sqrt_().add_(cfg.eps)
+        if cfg.weight_decay:
+            params.mul_(1 - cfg.lr * cfg.weight_decay)
+        params.addcdiv_(exp_avg, denom, value=-cfg.lr / bias1)
+    return norm

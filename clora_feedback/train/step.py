@@ -1,0 +1,223 @@
+"""One optimizer step for one agent (swap-based) or several at once (batched multi-tenant).
+
+`train_step` is the readable core of learning:
+
+1. swap each agent's state (params, Adam moments) from host memory into a slot;
+2. one forward/backward over every agent's rows together (policy-gradient
+   rows on engine token ids, supervised rows on corrected outputs), each
+   agent's loss normalised over its own tokens only, so its gradient is
+   exactly what training it alone would give;
+3. each agent's own AdamW step on its own flat buffers;
+4. swap back out.
+
+Not here: choosing samples (see `admission`), publishing (see `trainer`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from clora_feedback.engine.model import LoRAModel
+from clora_feedback.train.forward import PackedBatch, TrainLoRA, token_logprobs
+from clora_feedback.train.loss import (
+    LossConfig,
+    advantages,
+    clipped_pg_loss,
+    kl_to_reference,
+    sft_loss,
+)
+from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot, adam_step
+
+
+@dataclass(frozen=True)
+class PGSample:
+    """A rewarded trajectory sample, in engine token ids.
+
+    Attributes:
+        group: prompt group (completion id); samples of one request share it.
+        prompt_ids: [P] prompt tokens.
+        completion_ids: [C] generated tokens.
+        behaviour_logprobs: [C] logprobs recorded at serving time.
+        reward: scalar reward.
+        staleness: versions between the one that produced it and the one being trained.
+    """
+
+    group: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    staleness: int = 0
+
+
+@dataclass(frozen=True)
+class SFTSample:
+    """A supervised target: prompt ids plus the corrected output's ids (EOS included)."""
+
+    prompt_ids: list[int]
+    target_ids: list[int]
+
+
+@dataclass
+class AgentBatch:
+    """One agent's admitted mini-batch."""
+
+    state: AgentTrainState
+    pg: list[PGSample] = field(default_factory=list)
+    sft: list[SFTSample] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one agent's step did (logged, stored in the version manifest)."""
+
+    agent: str
+    step: int
+    loss: float
+    pg_loss: float
+    sft_loss: float
+    kl: float
+    reward_mean: float
+    num_pg: int
+    num_sft: int
+    tokens: int
+    grad_norm: float
+    ratio_mean: float
+    clip_frac: float
+    staleness_mean: float
+    staleness_max: int
+    swap_s: float
+    step_s: float
+
+    def metrics(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items() if k != "agent"}
+
+
+def _rows(batches: list[AgentBatch]) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """All rows of the pass, (prompt, scored ids), and the agent index of each row.
+
+    Per agent: its policy-gradient rows, then its supervised rows."""
+    seqs: list[tuple[list[int], list[int]]] = []
+    owner: list[int] = []
+    for i, batch in enumerate(batches):
+        for s in batch.pg:
+            seqs.append((s.prompt_ids, s.completion_ids))
+            owner.append(i)
+        for t in batch.sft:
+            seqs.append((t.prompt_ids, t.target_ids))
+            owner.append(i)
+    return seqs, owner
+
+
+def train_step(
+    model: LoRAModel,
+    slots: list[TrainingSlot],
+    batches: list[AgentBatch],
+    loss_cfg: LossConfig,
+    adam_cfg: AdamConfig,
+) -> list[StepResult]:
+    """Run one optimizer step for every agent in `batches` (len(batches) <= len(slots))."""
+    if len(batches) > len(slots):
+        raise ValueError(f"{len(batches)} agents but only {len(slots)} training slots")
+    t0 = time.perf_counter()
+    leaves = [slot.swap_in(b.state) for slot, b in zip(slots, batches, strict=False)]
+    seqs, owner = _rows(batches)
+    packed = PackedBatch.build(seqs)
+    lora = TrainLoRA(
+        [b.state.layout for b in batches], leaves, torch.tensor(owner, device=model.device)
+    )
+    logp = token_logprobs(model, packed, lora)
+    counts = packed.mask.sum(dim=1).tolist()
+    per_row = list(torch.split(logp, counts))
+    ref_rows: list[torch.Tensor] = []
+    if loss_cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref_rows = list(torch.split(token_logprobs(model, packed, None), counts))
+
+    total = logp.new_zeros(())
+    stats: list[dict[str, float]] = []
+    row = 0
+    for batch in batches:
+        n_pg, n_sft = len(batch.pg), len(batch.sft)
+        pg_rows = per_row[row : row + n_pg]
+        sft_rows = per_row[row + n_pg : row + n_pg + n_sft]
+        s: dict[str, float] = {
+            "pg_loss": 0.0,
+            "sft_loss": 0.0,
+            "kl": 0.0,
+            "ratio_mean": 1.0,
+            "clip_frac": 0.0,
+        }
+        loss_i = logp.new_zeros(())
+        if n_pg:
+            adv, batch.state.baseline = advantages(
+                [p.reward for p in batch.pg],
+                [p.group for p in batch.pg],
+                batch.state.baseline,
+                loss_cfg.baseline_momentum,
+            )
+            lp = torch.cat(pg_rows)
+            behaviour = torch.tensor(
+                [x for p in batch.pg for x in p.behaviour_logprobs], device=lp.device
+            )
+            adv_tok = torch.tensor(
+                [a for p, a in zip(batch.pg, adv, strict=True) for _ in p.completion_ids],
+                device=lp.device,
+            )
+            pg, extra = clipped_pg_loss(lp, behaviour, adv_tok, loss_cfg.clip_eps)
+            loss_i = loss_i + pg
+            s.update(extra, pg_loss=float(pg.item()))
+            if loss_cfg.kl_coef > 0:
+                kl = kl_to_reference(lp, torch.cat(ref_rows[row : row + n_pg]))
+                loss_i = loss_i + loss_cfg.kl_coef * kl
+                s["kl"] = float(kl.item())
+        if n_sft:
+            sl = sft_loss(torch.cat(sft_rows))
+            loss_i = loss_i + loss_cfg.sft_weight * sl
+            s["sft_loss"] = float(sl.item())
+        s["loss"] = float(loss_i.item())
+        s["tokens"] = float(sum(counts[row : row + n_pg + n_sft]))
+        total = total + loss_i
+        stats.append(s)
+        row += n_pg + n_sft
+    if total.requires_grad:
+        total.backward()
+
+    results = []
+    elapsed = time.perf_counter() - t0
+    for slot, leaf, batch, s in zip(slots, leaves, batches, stats, strict=False):
+        state = batch.state
+        n = state.layout.numel
+        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        state.step += 1
+        norm = adam_step(
+            leaf.data, grad, slot.exp_avg[:n], slot.exp_avg_sq[:n], state.step, adam_cfg
+        )
+        slot.swap_out(leaf)
+        stale = [p.staleness for p in batch.pg] or [0]
+        rewards = [p.reward for p in batch.pg]
+        results.append(
+            StepResult(
+                agent=state.agent,
+                step=state.step,
+                loss=s["loss"],
+                pg_loss=s["pg_loss"],
+                sft_loss=s["sft_loss"],
+                kl=s["kl"],
+                reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
+                num_pg=len(batch.pg),
+                num_sft=len(batch.sft),
+                tokens=int(s["tokens"]),
+                grad_norm=norm,
+                ratio_mean=s["ratio_mean"],
+                clip_frac=s["clip_frac"],
+                staleness_mean=sum(stale) / len(stale),
+                staleness_max=max(stale),
+                swap_s=slot.last_swap_s,
+                step_s=elapsed + slot.last_swap_s,
+            )
+        )
+    return results

@@ -1,0 +1,159 @@
+"""Trainer core: differentiable forward == PEFT, batched multi-tenant grads == alone, steps learn."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from clora_feedback.engine.model import LoRAModel
+from clora_feedback.lora.peft_io import save_peft_adapter
+from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.train.forward import PackedBatch, TrainLoRA, token_logprobs
+from clora_feedback.train.loss import LossConfig
+from clora_feedback.train.state import (
+    AdamConfig,
+    AgentTrainState,
+    LoRALayout,
+    TrainingSlot,
+    init_lora,
+)
+from clora_feedback.train.step import AgentBatch, PGSample, SFTSample, train_step
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> LoRAModel:
+    d = build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", seed=5)
+    m = LoRAModel.from_dir(d, max_loras=2, max_lora_rank=16, target_modules=ALL)
+    m.model_dir = d  # type: ignore[attr-defined]
+    return m
+
+
+def _state(model: LoRAModel, agent: str, rank: int, seed: int) -> AgentTrainState:
+    layout = LoRALayout.build(model.limits, rank, 2.0 * rank, ALL)
+    flat = init_lora(layout, seed=seed)
+    flat += (
+        torch.randn(flat.shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+    )  # non-zero B too
+    return AgentTrainState.create(agent, layout, flat)
+
+
+def _pg(seed: int, n: int = 3) -> list[PGSample]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(3, 250, (4 + i,), generator=gen).tolist()
+        completion = torch.randint(3, 250, (3 + 2 * i,), generator=gen).tolist()
+        out.append(
+            PGSample(f"g{i % 2}", prompt, completion, [-5.5] * len(completion), float(i) - 1.0)
+        )
+    return out
+
+
+def test_forward_matches_peft(model: LoRAModel, tmp_path: Path) -> None:
+    state = _state(model, "a", 4, 0)
+    save_peft_adapter(state.layout.to_weights(state.params), tmp_path / "a", base_model="tiny")
+    seqs = [([5, 6, 7, 8], [9, 10, 11]), ([20, 21], [22, 23, 24, 25, 26])]
+    lp = token_logprobs(
+        model,
+        PackedBatch.build(seqs),
+        TrainLoRA([state.layout], [state.params], torch.tensor([0, 0])),
+    )
+    base = AutoModelForCausalLM.from_pretrained(str(model.model_dir))  # type: ignore[attr-defined]
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "a")).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt, completion in seqs:
+            logits = peft_model(torch.tensor([prompt + completion])).logits[0].float()
+            table = torch.log_softmax(logits, -1)
+            expected += [table[len(prompt) - 1 + k, tok] for k, tok in enumerate(completion)]
+    torch.testing.assert_close(lp, torch.stack(expected), atol=1e-4, rtol=0)
+    # Adapter disabled = base model (the KL reference policy).
+    base_lp = token_logprobs(model, PackedBatch.build(seqs), None)
+    with torch.no_grad(), peft_model.disable_adapter():  # PEFT injected its layers into `base`
+        ref = torch.log_softmax(
+            peft_model(torch.tensor([seqs[0][0] + seqs[0][1]])).logits[0].float(), -1
+        )
+    torch.testing.assert_close(
+        base_lp[:3],
+        torch.stack([ref[3 + k, t] for k, t in enumerate(seqs[0][1])]),
+        atol=1e-4,
+        rtol=0,
+    )
+
+
+def test_batched_multi_tenant_step_equals_each_agent_alone(model: LoRAModel) -> None:
+    agents = [_state(model, f"a{i}", rank, seed=i) for i, rank in enumerate((2, 8, 4))]
+    batches = [
+        AgentBatch(agents[0], pg=_pg(1)),
+        AgentBatch(agents[1], pg=_pg(2, n=2), sft=[SFTSample([7, 8, 9], [40, 41, 2])]),
+        AgentBatch(agents[2], sft=[SFTSample([3, 4], [50, 51, 52, 2]), SFTSample([5], [60, 2])]),
+    ]
+    cfg, adam = LossConfig(), AdamConfig(lr=1e-2)
+    alone_batches = copy.deepcopy(batches)
+    capacity = max(a.layout.numel for a in agents)
+    together = train_step(
+        model, [TrainingSlot(capacity, model.device) for _ in range(3)], batches, cfg, adam
+    )
+    alone = [
+        train_step(model, [TrainingSlot(capacity, model.device)], [b], cfg, adam)[0]
+        for b in alone_batches
+    ]
+    for t, a, bt, ba in zip(together, alone, batches, alone_batches, strict=True):
+        assert t.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
+        assert t.loss == pytest.approx(a.loss, rel=1e-5, abs=1e-6)
+        torch.testing.assert_close(bt.state.params, ba.state.params, atol=1e-6, rtol=1e-5)
+        scale = float(ba.state.exp_avg.abs().max())  # exp_avg = 0.1 * grad after one step
+        torch.testing.assert_close(bt.state.exp_avg, ba.state.exp_avg, atol=1e-4 * scale, rtol=1e-4)
+        assert bt.state.step == 1 and t.grad_norm > 0
+
+
+def test_repeated_steps_learn_the_correction(model: LoRAModel) -> None:
+    state = _state(model, "sft", 8, 3)
+    target = SFTSample([10, 11, 12], [100, 101, 102, 103, 2])
+    slot = TrainingSlot(state.layout.numel, model.device)
+    first = train_step(
+        model, [slot], [AgentBatch(state, sft=[target])], LossConfig(), AdamConfig(lr=5e-3)
+    )[0]
+    for _ in range(15):
+        last = train_step(
+            model, [slot], [AgentBatch(state, sft=[target])], LossConfig(), AdamConfig(lr=5e-3)
+        )[0]
+    assert last.sft_loss < 0.5 * first.sft_loss
+    assert state.step == 16 and state.exp_avg.abs().sum() > 0
+    assert slot.owner is None  # swapped back out
+
+
+def test_policy_gradient_raises_rewarded_sample_probability(model: LoRAModel) -> None:
+    state = _state(model, "pg", 4, 4)
+    good = PGSample("x", [9, 9, 9], [30, 31, 32], [], 1.0)
+    bad = PGSample("x", [9, 9, 9], [70, 71, 72], [], 0.0)
+    batch = PackedBatch.build(
+        [(good.prompt_ids, good.completion_ids), (bad.prompt_ids, bad.completion_ids)]
+    )
+
+    def logps() -> torch.Tensor:
+        with torch.no_grad():
+            lora = TrainLoRA([state.layout], [state.params], torch.tensor([0, 0]))
+            return token_logprobs(model, batch, lora).view(2, 3)  # [sample, token]
+
+    before = logps().sum(1)
+    slot = TrainingSlot(state.layout.numel, model.device)
+    for _ in range(5):
+        now = logps()  # on-policy: behaviour logprobs are the current policy's
+        samples = [
+            PGSample(s.group, s.prompt_ids, s.completion_ids, now[i].tolist(), s.reward)
+            for i, s in enumerate((good, bad))
+        ]
+        step = train_step(
+            model, [slot], [AgentBatch(state, pg=samples)], LossConfig(), AdamConfig(lr=1e-2)
+        )
+        assert step[0].ratio_mean == pytest.approx(1.0, abs=1e-5)
+    after = logps().sum(1)
+    assert after[0] - before[0] > 1.0 and after[1] < before[1], (before, after)
