@@ -1,0 +1,71 @@
+"""Trajectory capture: one `TrajectoryRecord` per served completion, written before replying.
+
+The handlers build the record with `build_record` and commit it after the last token and before the
+non-streamed response is returned or the stream's `[DONE]` is sent, so every
+completion id a client has seen can be looked up (and rewarded) later. A
+request that fails, or whose client disconnects, records nothing.
+
+Not here: the database (see `clora_feedback.store.trajectories`), rewards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from clora_feedback.gateway.agents import Route
+from clora_feedback.gateway.auth import Principal
+from clora_feedback.gateway.generation import ChoiceState, GenerationRun
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
+
+
+def build_record(
+    *,
+    completion_id: str,
+    kind: Literal["chat", "completion"],
+    route: Route,
+    principal: Principal,
+    request: dict[str, Any],
+    prompt_token_ids: list[int],
+    run: GenerationRun,
+    outputs: Sequence[tuple[ChoiceState, str, str | None, list[dict[str, Any]] | None]],
+) -> TrajectoryRecord:
+    """Assemble the record.
+
+    Args:
+        completion_id: the response id (= trajectory id).
+        kind: endpoint family.
+        route: how the model was served.
+        principal: the caller (its agent goes to `api_key_agent`).
+        request: the request body as JSON.
+        prompt_token_ids: the prompt exactly as the engine saw it.
+        run: the finished generation (for timings).
+        outputs: per choice: (state, text returned, finish reason returned, tool calls).
+    """
+    samples = [
+        SampleRecord(
+            index=state.index,
+            text=text,
+            completion_token_ids=list(state.token_ids),
+            logprobs=list(state.logprobs),
+            token_versions=list(state.versions),
+            finish_reason=finish_reason,
+            tool_calls=tool_calls,
+        )
+        for state, text, finish_reason, tool_calls in outputs
+    ]
+    key_agent = None
+    if not principal.admin and route.agent in principal.agents:
+        key_agent = route.agent
+    return TrajectoryRecord(
+        id=completion_id,
+        agent=route.agent if route.agent is not None else route.model,
+        adapter_version=route.adapter_version,
+        kind=kind,
+        request=request,
+        prompt_token_ids=list(prompt_token_ids),
+        samples=samples,
+        created_at=run.created_at,
+        timings=run.timings(),
+        api_key_agent=key_agent,
+    )

@@ -1,0 +1,447 @@
+"""`POST /v1/chat/completions`: messages -> prompt ids -> engine -> OpenAI response or SSE.
+
+Per request, `ChatHandler`:
+1. routes `model` to an agent (404 unknown, 403 not this key's);
+2. renders messages and tools (`tools.render_messages`), applies the model's
+   chat template with the generation prompt, and for a forced `tool_choice`
+   ("required" or a named function) appends `forced_call_prefix` and builds
+   one `JSONCallConstraint` per choice, so the call's arguments are always
+   well-formed JSON (stop strings are ignored for forced calls: they could cut it);
+3. checks the context window and submits n sequences (`GenerationRun`);
+4. parses tool calls (`finish_reason` "tool_calls" when there are any);
+5. records the trajectory, then answers: one JSON body, or SSE chunks ending
+   with an optional usage chunk and `[DONE]` (the trajectory is committed first).
+
+Not here: HTTP routing (see `routes`), the wire models (see `protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from starlette.requests import Request
+
+from clora_feedback.engine.base import Engine
+from clora_feedback.engine.types import RequestOutput, TokenConstraint
+from clora_feedback.errors import CloraError, EngineError, InvalidRequestError
+from clora_feedback.gateway.agents import AgentRegistry, Route
+from clora_feedback.gateway.auth import Principal
+from clora_feedback.gateway.capture import build_record
+from clora_feedback.gateway.errors import error_event
+from clora_feedback.gateway.generation import ChoiceState, GenerationRun, plan_sampling
+from clora_feedback.gateway.logprobs import TokenPieces, chat_logprobs
+from clora_feedback.gateway.metrics import Metrics
+from clora_feedback.gateway.protocol import (
+    ChatCompletionRequest,
+    CloraChoiceExtension,
+    CloraResponseExtension,
+    include_usage,
+    stop_list,
+)
+from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
+from clora_feedback.gateway.tool_constraint import JSONCallConstraint, vocab_texts
+from clora_feedback.gateway.tools import (
+    ContentDelta,
+    StreamEvent,
+    ToolCallEvent,
+    ToolCallStreamParser,
+    forced_call_constraint,
+    forced_call_prefix,
+    parse_tool_calls,
+    render_messages,
+)
+from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChatPrompt:
+    """A chat request turned into engine input.
+
+    Attributes:
+        token_ids: the prompt, including the chat template and any forced prefix.
+        forced_prefix: text of a forced tool-call opening ("" when none is forced);
+            part of the prompt, but parsed together with the generated text.
+        parse_tools: tools are offered, so the output is parsed for calls.
+        constraint_factory: a fresh JSON constraint per choice for forced calls.
+    """
+
+    token_ids: list[int]
+    forced_prefix: str
+    parse_tools: bool
+    constraint_factory: Callable[[], TokenConstraint] | None
+
+
+@dataclass
+class ChoiceResult:
+    """What one finished choice answers with."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None
+    finish_reason: str
+
+
+def closing_suffix(choice: ChoiceState) -> str:
+    """Text that completes a forced call cut short by `max_tokens` ("" when it completed)."""
+    constraint = choice.constraint
+    if isinstance(constraint, JSONCallConstraint) and not constraint.is_done():
+        return constraint.closing_suffix()
+    return ""
+
+
+def _tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ChatHandler:
+    """Serves chat completions for every agent on one engine."""
+
+    def __init__(
+        self, engine: Engine, agents: AgentRegistry, store: AsyncTrajectoryStore, metrics: Metrics
+    ):
+        self._engine = engine
+        self._agents = agents
+        self._store = store
+        self._metrics = metrics
+        self._pieces = TokenPieces(engine.tokenizer)
+        self._vocab: list[str] | None = None
+
+    async def create(
+        self, body: ChatCompletionRequest, principal: Principal, request: Request
+    ) -> Any:
+        """Answer one request: a JSON-able dict, or an `SSEResponse` when streaming."""
+        route = self._agents.resolve(body.model)
+        principal.check_model(body.model, route.agent)
+        prompt = await self._prepare(body)
+        param, max_tokens = body.max_tokens_param
+        sampling = plan_sampling(
+            prompt_len=len(prompt.token_ids),
+            max_model_len=self._engine.max_model_len,
+            max_tokens=max_tokens,
+            max_tokens_param=param,
+            prompt_param="messages",
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=() if prompt.constraint_factory else stop_list(body.stop),
+            logprobs=bool(body.logprobs),
+            top_logprobs=body.top_logprobs or 0,
+        )
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        run = GenerationRun(
+            self._engine,
+            completion_id=completion_id,
+            agent=route.engine_agent,
+            prompt_token_ids=prompt.token_ids,
+            sampling=sampling,
+            n=body.n or 1,
+            constraint_factory=prompt.constraint_factory,
+        )
+        if body.stream:
+            return SSEResponse(
+                self._stream(body, principal, route, prompt, run, completion_id), on_close=run.abort
+            )
+        choices = await run_unless_disconnected(request, run.run())
+        results = [self._finish_choice(prompt, c) for c in choices]
+        await self._record(body, principal, route, prompt, run, completion_id, results)
+        return self._response(body, route, prompt, run, completion_id, results)
+
+    # -- prompt ---------------------------------------------------------------------
+
+    async def _prepare(self, body: ChatCompletionRequest) -> ChatPrompt:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice = body.tool_choice
+        choice_wire: str | dict[str, Any] | None = (
+            choice.model_dump() if choice is not None and not isinstance(choice, str) else choice
+        )
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        rendered = render_messages(messages, tools, choice_wire)
+        tokenizer = self._engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                f"model {self._engine.model_name!r} has no chat template; use /v1/completions",
+                param="messages",
+            )
+        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        prefix = forced_call_prefix(choice_wire, tools)
+        ids = list(tokenizer.encode(str(text) + prefix, add_special_tokens=False))
+        factory: Callable[[], TokenConstraint] | None = None
+        if prefix:
+            texts = await self._token_texts()
+
+            def factory() -> TokenConstraint:
+                constraint = forced_call_constraint(choice_wire, tools, texts)
+                assert constraint is not None  # a prefix implies a forced call
+                return constraint
+
+        parse = bool(tools) and body.effective_tool_choice != "none"
+        return ChatPrompt(ids, prefix, parse, factory)
+
+    async def _token_texts(self) -> list[str]:
+        # Decoding the whole vocabulary takes a moment on large tokenizers: once, off the loop.
+        if self._vocab is None:
+            tokenizer: Any = self._engine.tokenizer
+            self._vocab = await asyncio.to_thread(vocab_texts, tokenizer)
+        return self._vocab
+
+    # -- results --------------------------------------------------------------------
+
+    def _finish_choice(self, prompt: ChatPrompt, choice: ChoiceState) -> ChoiceResult:
+        reason = choice.finish_reason or "stop"
+        if not prompt.parse_tools:
+            return ChoiceResult(choice.text, None, reason)
+        text = choice.text
+        if prompt.forced_prefix:
+            text = prompt.forced_prefix + text + closing_suffix(choice)
+        content, calls = parse_tool_calls(text)
+        if not calls:
+            return ChoiceResult(content or "", None, reason)
+        return ChoiceResult(
+            content, [_tool_call_json(c.id, c.name, c.arguments) for c in calls], "tool_calls"
+        )
+
+    async def _record(
+        self,
+        body: ChatCompletionRequest,
+        principal: Principal,
+        route: Route,
+        prompt: ChatPrompt,
+        run: GenerationRun,
+        completion_id: str,
+        results: list[ChoiceResult],
+    ) -> None:
+        record = build_record(
+            completion_id=completion_id,
+            kind="chat",
+            route=route,
+            principal=principal,
+            request=body.model_dump(mode="json", exclude_none=True),
+            prompt_token_ids=prompt.token_ids,
+            run=run,
+            outputs=[
+                (c, c.text, r.finish_reason, r.tool_calls)
+                for c, r in zip(run.choices, results, strict=True)
+            ],
+        )
+        await self._store.record(record)
+        generated = sum(len(c.token_ids) for c in run.choices)
+        self._metrics.observe_completion(record.agent, "chat", len(prompt.token_ids), generated)
+
+    def _usage(self, prompt: ChatPrompt, run: GenerationRun) -> dict[str, int]:
+        completion = sum(len(c.token_ids) for c in run.choices)
+        prompt_tokens = len(prompt.token_ids)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def _extension(self, route: Route, prompt: ChatPrompt | None) -> dict[str, Any]:
+        return CloraResponseExtension(
+            agent=route.agent,
+            adapter_version=route.adapter_version,
+            prompt_token_ids=prompt.token_ids if prompt is not None else None,
+        ).wire()
+
+    def _response(
+        self,
+        body: ChatCompletionRequest,
+        route: Route,
+        prompt: ChatPrompt,
+        run: GenerationRun,
+        completion_id: str,
+        results: list[ChoiceResult],
+    ) -> dict[str, Any]:
+        choices = []
+        for state, result in zip(run.choices, results, strict=True):
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": result.content,
+                "refusal": None,
+            }
+            if result.tool_calls:
+                message["tool_calls"] = result.tool_calls
+            logprobs = None
+            if body.logprobs:
+                logprobs = chat_logprobs(
+                    self._pieces,
+                    state.token_ids,
+                    state.logprobs,
+                    state.top_logprobs,
+                    body.top_logprobs or 0,
+                ).model_dump()
+            choices.append(
+                {
+                    "index": state.index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": result.finish_reason,
+                    "clora": CloraChoiceExtension(
+                        token_ids=state.token_ids, token_versions=state.versions
+                    ).model_dump(),
+                }
+            )
+        payload = {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": int(run.created_at),
+            "model": body.model,
+            "choices": choices,
+            "usage": self._usage(prompt, run),
+            "clora": self._extension(route, prompt),
+        }
+        return ChatCompletion.model_validate(payload).model_dump(mode="json", exclude_unset=True)
+
+    # -- streaming ------------------------------------------------------------------
+
+    def _chunk(
+        self,
+        body: ChatCompletionRequest,
+        run: GenerationRun,
+        completion_id: str,
+        choices: list[dict[str, Any]],
+        **extra: Any,
+    ) -> str:
+        payload: dict[str, Any] = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": int(run.created_at),
+            "model": body.model,
+            "choices": choices,
+            **extra,
+        }
+        if include_usage(body) and "usage" not in payload:
+            payload["usage"] = None
+        chunk = ChatCompletionChunk.model_validate(payload)
+        return sse_event(chunk.model_dump(mode="json", exclude_unset=True))
+
+    async def _stream(
+        self,
+        body: ChatCompletionRequest,
+        principal: Principal,
+        route: Route,
+        prompt: ChatPrompt,
+        run: GenerationRun,
+        completion_id: str,
+    ) -> AsyncIterator[str]:
+        try:
+            first = [
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for c in run.choices
+            ]
+            yield self._chunk(body, run, completion_id, first, clora=self._extension(route, prompt))
+            streamer = _ChoiceStreamer(self._pieces, body, prompt, run)
+            async for choice, out in run.events():
+                for delta in streamer.deltas(choice, out):
+                    yield self._chunk(body, run, completion_id, [delta])
+            results = [streamer.result(c) for c in run.choices]
+            await self._record(body, principal, route, prompt, run, completion_id, results)
+            if include_usage(body):
+                yield self._chunk(body, run, completion_id, [], usage=self._usage(prompt, run))
+            yield DONE
+        except CloraError as exc:
+            yield sse_event(error_event(exc))
+            yield DONE
+        except Exception:
+            log.exception("chat stream %s failed", completion_id)
+            yield sse_event(error_event(EngineError("the stream failed; see the server log")))
+            yield DONE
+        finally:
+            run.abort()
+
+
+class _ChoiceStreamer:
+    """Turns engine chunks into OpenAI chunk choices (content or tool-call deltas) and
+    remembers what each choice streamed, so the trajectory records what the client saw
+    (including the tool-call ids it will refer to)."""
+
+    def __init__(
+        self,
+        pieces: TokenPieces,
+        body: ChatCompletionRequest,
+        prompt: ChatPrompt,
+        run: GenerationRun,
+    ):
+        self._pieces = pieces
+        self._body = body
+        self._prompt = prompt
+        self._parsers: dict[int, ToolCallStreamParser] = {}
+        self._content: dict[int, list[str]] = {c.index: [] for c in run.choices}
+        self._calls: dict[int, list[dict[str, Any]]] = {c.index: [] for c in run.choices}
+        if prompt.parse_tools:
+            for choice in run.choices:
+                parser = ToolCallStreamParser()
+                if prompt.forced_prefix:
+                    parser.feed(prompt.forced_prefix)  # emits nothing: it can only open a call
+                self._parsers[choice.index] = parser
+
+    def deltas(self, choice: ChoiceState, out: RequestOutput) -> list[dict[str, Any]]:
+        """Chunk choices for one engine chunk of `choice` (the final one carries finish_reason)."""
+        delta: dict[str, Any] = {}
+        parser = self._parsers.get(choice.index)
+        if parser is None:
+            if out.text:
+                delta["content"] = out.text
+                self._content[choice.index].append(out.text)
+        else:
+            events = parser.feed(out.text) if out.text else []
+            if out.finished:
+                tail = closing_suffix(choice) if self._prompt.forced_prefix else ""
+                events += (parser.feed(tail) if tail else []) + parser.finish()
+            self._apply_events(choice.index, events, delta)
+        start = len(choice.token_ids) - len(out.tokens)
+        entry: dict[str, Any] = {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": self.result(choice).finish_reason if out.finished else None,
+            "clora": CloraChoiceExtension(
+                token_ids=choice.token_ids[start:], token_versions=choice.versions[start:]
+            ).model_dump(),
+        }
+        if self._body.logprobs and out.tokens:
+            entry["logprobs"] = chat_logprobs(
+                self._pieces,
+                choice.token_ids[start:],
+                choice.logprobs[start:],
+                choice.top_logprobs[start:],
+                self._body.top_logprobs or 0,
+            ).model_dump()
+        if not delta and not out.tokens and not out.finished:
+            return []
+        return [entry]
+
+    def result(self, choice: ChoiceState) -> ChoiceResult:
+        """What the client received for `choice` (valid once it finished)."""
+        content = "".join(self._content[choice.index])
+        calls = self._calls[choice.index]
+        if calls:
+            return ChoiceResult(content or None, calls, "tool_calls")
+        return ChoiceResult(content, None, choice.finish_reason or "stop")
+
+    def _apply_events(self, index: int, events: list[StreamEvent], delta: dict[str, Any]) -> None:
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        if content:
+            delta["content"] = content
+            self._content[index].append(content)
+        calls = [
+            _tool_call_json(e.id, e.name, e.arguments)
+            for e in events
+            if isinstance(e, ToolCallEvent)
+        ]
+        if calls:
+            first = len(self._calls[index])
+            self._calls[index].extend(calls)
+            delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]

@@ -1,0 +1,243 @@
+"""Engine work for one HTTP request: n sequences submitted together, merged, accumulated.
+
+`GenerationRun` submits one `GenerationRequest` per choice (seeds `seed + i`),
+merges their streams into one async sequence of `(choice, chunk)` events and
+accumulates per-choice token ids, behaviour logprobs and adapter versions. It
+owns every engine request it started: leaving `events()` early for any reason
+(client disconnect, cancellation, error) aborts them all at once, so batch rows
+are freed before the next decode step.
+
+`plan_sampling` turns the OpenAI parameters shared by both endpoints into
+`SamplingParams`, including the context-window check.
+
+Not here: chat templates and tools (see `chat`), response shapes (see
+`chat`/`completions`), persistence (see `capture`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from clora_feedback.engine.base import Engine, RequestStream
+from clora_feedback.engine.types import (
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenConstraint,
+)
+from clora_feedback.errors import ContextLengthError, EngineError
+
+
+@dataclass
+class ChoiceState:
+    """Everything generated so far for one choice.
+
+    Attributes:
+        index: choice index (`choices[i].index`).
+        request_id: the engine request id.
+        token_ids: generated engine token ids.
+        logprobs: behaviour logprob per token.
+        versions: adapter version per token.
+        top_logprobs: (token_id, logprob) alternatives per token (empty tuples unless asked).
+        text: detokenised text released so far (stop strings removed).
+        finish_reason: the engine's reason, once finished.
+        first_token_at: `time.monotonic()` of the first token, if any.
+        constraint: the token constraint this choice generates under, if any.
+    """
+
+    index: int
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    first_token_at: float | None = None
+    constraint: TokenConstraint | None = None
+
+    def apply(self, out: RequestOutput) -> None:
+        """Fold one engine chunk into this choice."""
+        if out.tokens and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        for event in out.tokens:
+            self.token_ids.append(event.token_id)
+            self.logprobs.append(event.logprob)
+            self.versions.append(event.adapter_version)
+            self.top_logprobs.append(event.top_logprobs)
+        self.text += out.text
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def plan_sampling(
+    *,
+    prompt_len: int,
+    max_model_len: int,
+    max_tokens: int | None,
+    max_tokens_param: str,
+    prompt_param: str,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: tuple[str, ...],
+    logprobs: bool,
+    top_logprobs: int,
+) -> SamplingParams:
+    """Sampling parameters for one choice (the caller offsets `seed` per choice).
+
+    An absent `max_tokens` means "the rest of the context window".
+
+    Raises:
+        ContextLengthError: the prompt leaves no room (param `prompt_param`), or
+            prompt + `max_tokens` exceed `max_model_len` (param `max_tokens_param`).
+    """
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{prompt_param} resulted in {prompt_len} tokens, leaving no room for a completion. "
+            f"Please reduce the length of the {prompt_param}.",
+            param=prompt_param,
+        )
+    if max_tokens is not None and max_tokens > room:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in "
+            f"the completion). Please reduce the length of the {prompt_param} or {max_tokens_param}.",
+            param=max_tokens_param,
+        )
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else room,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=seed,
+        stop=stop,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def seeded(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s parameters: seed + index, so n seeded choices differ yet repeat."""
+    if sampling.seed is None:
+        return sampling
+    return SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed + index,
+        stop=sampling.stop,
+        stop_token_ids=sampling.stop_token_ids,
+        logprobs=sampling.logprobs,
+        top_logprobs=sampling.top_logprobs,
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+class GenerationRun:
+    """The n engine requests behind one completion request.
+
+    Args:
+        engine: the engine to submit to.
+        completion_id: the response id; engine request ids are `{completion_id}-{i}`.
+        agent: `GenerationRequest.agent` (None = base model).
+        prompt_token_ids: the prompt, shared by every choice.
+        sampling: parameters before the per-choice seed offset.
+        n: number of choices.
+        constraint_factory: builds a fresh constraint per choice (constraints are stateful).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        completion_id: str,
+        agent: str | None,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        constraint_factory: Callable[[], TokenConstraint] | None = None,
+    ) -> None:
+        self.choices = [ChoiceState(i, f"{completion_id}-{i}") for i in range(n)]
+        self.created_at = time.time()
+        self.started = time.monotonic()
+        self.finished_at: float | None = None
+        self._streams: list[RequestStream] = []
+        try:
+            for choice in self.choices:
+                choice.constraint = constraint_factory() if constraint_factory else None
+                request = GenerationRequest(
+                    request_id=choice.request_id,
+                    agent=agent,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling=seeded(sampling, choice.index),
+                    constraint=choice.constraint,
+                )
+                # Raises OverloadedError / ContextLengthError / NotFoundError synchronously.
+                self._streams.append(engine.add_request(request))
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Abort every engine request that has not finished (idempotent)."""
+        for stream in self._streams:
+            stream.abort()
+
+    async def events(self) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+        """Chunks of all choices as they arrive, each already folded into its choice.
+
+        Raises:
+            EngineError: the engine aborted a sequence nobody asked to abort.
+            CloraError: whatever the engine raised for a sequence.
+        """
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((index, out))
+                queue.put_nowait((index, None))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self._streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                choice = self.choices[index]
+                choice.apply(item)
+                if item.finished and item.finish_reason == "abort":
+                    raise EngineError("the engine aborted the request")
+                yield choice, item
+            self.finished_at = time.monotonic()
+        finally:
+            # Abort first (synchronous, immediate), then stop the pumps.
+            self.abort()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run(self) -> list[ChoiceState]:
+        """Drive every choice to the end; returns the finished choices."""
+        async for _ in self.events():
+            pass
+        return self.choices
+
+    def timings(self) -> dict[str, float]:
+        """`ttft_s` (admission to the first token of any choice) and `total_s` (to the last)."""
+        firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
+        end = self.finished_at if self.finished_at is not None else time.monotonic()
+        ttft = (min(firsts) - self.started) if firsts else end - self.started
+        return {"ttft_s": ttft, "total_s": end - self.started}

@@ -1,0 +1,170 @@
+"""Prometheus metrics in text exposition format, without a client library.
+
+Counters are kept in process memory and rendered on `GET /metrics`:
+
+    clora_http_requests_total{route, method, status}   every HTTP request
+    clora_completions_total{agent, endpoint}           completions served (and recorded)
+    clora_prompt_tokens_total{agent}                   prompt tokens of served completions
+    clora_generation_tokens_total{agent}               tokens generated for served completions
+    clora_engine_running / clora_engine_waiting        rows decoding / requests queued (gauges)
+    clora_engine_max_num_seqs / clora_engine_max_waiting   capacity (gauges)
+    clora_engine_steps_total / clora_engine_generated_tokens_total   engine counters
+    clora_engine_adapter_version{agent}                live adapter version per agent
+
+`HTTPMetricsMiddleware` is a plain ASGI middleware (not Starlette's
+`BaseHTTPMiddleware`, which buffers streams and hides client disconnects) that
+labels requests by route template, so label cardinality stays bounded.
+
+Not here: histograms, multi-process aggregation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from clora_feedback.engine.types import EngineStats
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    if not names:
+        return ""
+    return "{" + ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)) + "}"
+
+
+class Metrics:
+    """Thread-safe counters for the gateway."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.http = Counter[tuple[str, str, str]]()
+        self.completions = Counter[tuple[str, str]]()
+        self.prompt_tokens = Counter[str]()
+        self.generation_tokens = Counter[str]()
+
+    def observe_http(self, route: str, method: str, status: int) -> None:
+        with self._lock:
+            self.http[(route, method, str(status))] += 1
+
+    def observe_completion(
+        self, agent: str, endpoint: str, prompt_tokens: int, generated: int
+    ) -> None:
+        with self._lock:
+            self.completions[(agent, endpoint)] += 1
+            self.prompt_tokens[agent] += prompt_tokens
+            self.generation_tokens[agent] += generated
+
+    def render(self, stats: EngineStats) -> str:
+        """The exposition text, with engine gauges from `stats`."""
+        lines: list[str] = []
+
+        def family(
+            name: str, kind: str, help_text: str, names: tuple[str, ...], rows: dict[Any, float]
+        ) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for key, value in sorted(rows.items()):
+                values = key if isinstance(key, tuple) else (key,)
+                lines.append(f"{name}{_labels(names, values if names else ())} {value:g}")
+
+        with self._lock:
+            family(
+                "clora_http_requests_total",
+                "counter",
+                "HTTP requests by route, method and status.",
+                ("route", "method", "status"),
+                dict(self.http),
+            )
+            family(
+                "clora_completions_total",
+                "counter",
+                "Completions served and recorded.",
+                ("agent", "endpoint"),
+                dict(self.completions),
+            )
+            family(
+                "clora_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of served completions.",
+                ("agent",),
+                dict(self.prompt_tokens),
+            )
+            family(
+                "clora_generation_tokens_total",
+                "counter",
+                "Generated tokens of served completions.",
+                ("agent",),
+                dict(self.generation_tokens),
+            )
+        family(
+            "clora_engine_running",
+            "gauge",
+            "Sequences in the decode batch.",
+            (),
+            {"": stats.running},
+        )
+        family(
+            "clora_engine_waiting",
+            "gauge",
+            "Requests queued for a batch row.",
+            (),
+            {"": stats.waiting},
+        )
+        family("clora_engine_max_num_seqs", "gauge", "Batch rows.", (), {"": stats.max_num_seqs})
+        family(
+            "clora_engine_max_waiting",
+            "gauge",
+            "Queue capacity beyond the batch.",
+            (),
+            {"": stats.max_waiting},
+        )
+        family("clora_engine_steps_total", "counter", "Engine steps run.", (), {"": stats.steps})
+        family(
+            "clora_engine_generated_tokens_total",
+            "counter",
+            "Tokens generated by the engine.",
+            (),
+            {"": stats.generated_tokens},
+        )
+        family(
+            "clora_engine_adapter_version",
+            "gauge",
+            "Live adapter version per agent.",
+            ("agent",),
+            dict(stats.adapters),
+        )
+        return "\n".join(lines) + "\n"
+
+
+class HTTPMetricsMiddleware:
+    """Counts every HTTP request by route template, method and response status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.observe_http(template, scope.get("method", ""), status)

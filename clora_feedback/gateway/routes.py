@@ -1,0 +1,152 @@
+"""Thin FastAPI routers: parse, authenticate, call a handler, wrap the result.
+
+All behaviour lives in the handler classes (`chat`, `completions`, `admin`);
+errors propagate as `CloraError` and are mapped in `errors`. Routes:
+
+    POST /v1/chat/completions        ChatHandler
+    POST /v1/completions             CompletionHandler
+    GET  /v1/models                  ModelsHandler
+    POST /v1/load_lora_adapter       AdapterAdminHandler (admin)
+    POST /v1/unload_lora_adapter     AdapterAdminHandler (admin)
+    GET  /v1/trajectories            TrajectoryHandler (scoped by key)
+    GET  /v1/trajectories/{id}       TrajectoryHandler (scoped by key)
+    GET  /health                     engine statistics (no key needed)
+    GET  /metrics                    Prometheus text (no key needed)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from clora_feedback.engine.base import Engine
+from clora_feedback.gateway.admin import (
+    AdapterAdminHandler,
+    ModelsHandler,
+    TrajectoryHandler,
+    health,
+)
+from clora_feedback.gateway.agents import AgentRegistry
+from clora_feedback.gateway.auth import (
+    KeyAuthenticator,
+    Principal,
+    admin_principal,
+    current_principal,
+)
+from clora_feedback.gateway.chat import ChatHandler
+from clora_feedback.gateway.completions import CompletionHandler
+from clora_feedback.gateway.metrics import Metrics
+from clora_feedback.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from clora_feedback.gateway.sse import ClientDisconnected
+from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+CLIENT_CLOSED_REQUEST = 499
+"""Status logged for a request whose client left before the answer (nginx's convention)."""
+
+
+@dataclass
+class GatewayState:
+    """Everything the routes need, built once by `create_app` (kept on `app.state.gateway`)."""
+
+    engine: Engine
+    store: AsyncTrajectoryStore
+    agents: AgentRegistry
+    authenticator: KeyAuthenticator
+    metrics: Metrics
+    chat: ChatHandler
+    completions: CompletionHandler
+    models: ModelsHandler
+    adapters: AdapterAdminHandler
+    trajectories: TrajectoryHandler
+
+
+def _state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+async def _answer(work: Coroutine[Any, Any, Any]) -> Response:
+    """A handler's result as a response; a vanished client gets an (unread) 499."""
+    try:
+        result = await work
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return result if isinstance(result, Response) else JSONResponse(result)
+
+
+AnyKey = Annotated[Principal, Depends(current_principal)]
+AdminKey = Annotated[Principal, Depends(admin_principal)]
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, principal: AnyKey
+) -> Response:
+    return await _answer(_state(request).chat.create(body, principal, request))
+
+
+@router.post("/v1/completions")
+async def create_completion(
+    body: CompletionRequest, request: Request, principal: AnyKey
+) -> Response:
+    return await _answer(_state(request).completions.create(body, principal, request))
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, principal: AnyKey) -> JSONResponse:
+    return JSONResponse(_state(request).models.list(principal))
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(
+    body: LoadLoRAAdapterRequest, request: Request, principal: AdminKey
+) -> Response:
+    return PlainTextResponse(await _state(request).adapters.load(body))
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(
+    body: UnloadLoRAAdapterRequest, request: Request, principal: AdminKey
+) -> Response:
+    return PlainTextResponse(await _state(request).adapters.unload(body))
+
+
+@router.get("/v1/trajectories")
+async def list_trajectories(
+    request: Request,
+    principal: AnyKey,
+    agent: str | None = None,
+    limit: Annotated[int, Query()] = 100,
+    before: float | None = None,
+) -> JSONResponse:
+    handler = _state(request).trajectories
+    return JSONResponse(await handler.list(principal, agent=agent, limit=limit, before=before))
+
+
+@router.get("/v1/trajectories/{completion_id}")
+async def get_trajectory(completion_id: str, request: Request, principal: AnyKey) -> JSONResponse:
+    return JSONResponse(await _state(request).trajectories.get(completion_id, principal))
+
+
+@router.get("/health")
+async def get_health(request: Request) -> JSONResponse:
+    state = _state(request)
+    return JSONResponse(health(state.engine, state.agents))
+
+
+@router.get("/metrics")
+async def get_metrics(request: Request) -> PlainTextResponse:
+    state = _state(request)
+    text = state.metrics.render(state.engine.stats())
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
