@@ -17,7 +17,7 @@ from clora_feedback.engine.types import EngineStats, GenerationRequest, RequestO
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from clora_feedback.lora.weights import LoRAWeights
+    from clora_feedback.lora.weights import LoRALimits, LoRAWeights
 
 
 class RequestStream(Protocol):
@@ -43,6 +43,11 @@ class Engine(Protocol):
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    @property
+    def lora_limits(self) -> LoRALimits:
+        """What adapters must fit (rank, targets, shapes); checked before tensors are read."""
+        ...
 
     async def start(self) -> None: ...
 

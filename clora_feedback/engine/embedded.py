@@ -105,6 +105,7 @@ class EmbeddedEngine:
     ):
         config = config or EngineConfig()
         self.config = config
+        self.model_dir = Path(model_dir)
         self._model_name = model_name or Path(model_dir).name
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -261,6 +262,11 @@ class EmbeddedEngine:
         with self._lock:
             entry = self._adapters.get(agent)
             return entry[0] if entry else None
+
+    def adapter_weights(self, agent: str) -> tuple[int, LoRAWeights] | None:
+        """The live (version, host copy of the weights) of an agent's adapter; do not mutate."""
+        with self._lock:
+            return self._adapters.get(agent)
 
     def adapters(self) -> dict[str, int]:
         with self._lock:

@@ -345,6 +345,20 @@ class FeedbackStore:
             for r in rows
         ]
 
+    def rewards_by_version(self, agent: str, version: int) -> list[float]:
+        """Live rewards of the samples served by `version` of `agent` (for the regression guard)."""
+        with self._lock, self._translate("read"):
+            rows = self._conn.execute(
+                "SELECT r.value FROM rewards r JOIN completions c ON c.id = r.completion_id "
+                "WHERE r.agent = ? AND c.adapter_version = ? ORDER BY r.seq",
+                (agent, version),
+            ).fetchall()
+        return [float(r[0]) for r in rows]
+
+    def agents_with_rewards(self) -> list[str]:
+        with self._lock, self._translate("read"):
+            return [r[0] for r in self._conn.execute("SELECT DISTINCT agent FROM rewards ORDER BY agent")]
+
     def training_samples(
         self, agent: str, *, after_seq: int = 0, limit: int = 1000
     ) -> list[TrainingSample]:

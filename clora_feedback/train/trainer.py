@@ -1,0 +1,339 @@
+"""The continual trainer: rewarded samples in, new adapter versions out, serving never paused.
+
+Each round (`run_round`), per agent in fair rotation:
+
+1. pull newly rewarded samples from the feedback store (a durable cursor: the
+   highest reward sequence number already trained on, kept in each version's
+   feedback window, so a restart resumes without losing or repeating samples);
+2. admit a mini-batch early (see `admission`) or, after `trigger_interval_s`
+   with anything waiting, whatever is there;
+3. swap the agent's state in, step, swap out (see `step`); with
+   `batched_agents > 1`, up to that many ready agents share one pass;
+4. publish: the registry writes the immutable version (PEFT files, optimizer
+   state, manifest last) and moves the active pointer, then the engine takes
+   the new weights in place between two decode steps, straight from memory.
+
+Pinned agents are skipped (their samples wait). A rollback (`activate`) puts
+version k's weights in the engine and makes the next step start from k's
+weights and optimizer state; a step that raced with it is discarded, because
+the registry refuses to publish a version whose parent is no longer active.
+
+Not here: the math of a step (`step`), the HTTP routes, the guard's statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.errors import ConflictError, NotFoundError
+from clora_feedback.feedback.store import FeedbackStore, TrainingSample
+from clora_feedback.lora.weights import LoRAWeights
+from clora_feedback.train.admission import Admission, AdmissionConfig
+from clora_feedback.train.loss import LossConfig
+from clora_feedback.train.registry import AdapterRegistry
+from clora_feedback.train.state import (
+    AdamConfig,
+    AgentTrainState,
+    LoRALayout,
+    TrainingSlot,
+    init_lora,
+)
+from clora_feedback.train.step import AgentBatch, PGSample, SFTSample, StepResult, train_step
+
+log = logging.getLogger(__name__)
+
+
+class TrainerConfig(BaseModel):
+    """The continual trainer."""
+
+    enabled: bool = Field(True, description="Run the trainer inside `clora serve`.")
+    rank: int = Field(8, ge=1, description="LoRA rank of adapters the trainer creates.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha of adapters the trainer creates.")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range of the importance ratio.")
+    sft_weight: float = Field(
+        1.0, ge=0, description="Weight of the supervised loss on corrections."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-base weight (0: no reference pass).")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    trigger_interval_s: float = Field(
+        60.0,
+        gt=0,
+        description="Step with whatever is waiting once this long has passed since the last step.",
+    )
+    poll_interval_s: float = Field(
+        0.5, gt=0, description="How often the loop looks for new rewards."
+    )
+    batched_agents: int = Field(
+        1, ge=1, description="Agents per forward/backward (1: serial swap steps, C-LoRA style)."
+    )
+    seed: int = 0
+
+    def loss(self) -> LossConfig:
+        return LossConfig(
+            clip_eps=self.clip_eps,
+            sft_weight=self.sft_weight,
+            kl_coef=self.kl_coef,
+            max_staleness=self.admission.max_staleness,
+        )
+
+    def adam(self) -> AdamConfig:
+        return AdamConfig(
+            lr=self.lr, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm
+        )
+
+
+@dataclass
+class _AgentRun:
+    state: AgentTrainState
+    pulled_seq: int  # highest reward seq offered to admission
+    trained_seq: int  # highest reward seq covered by a published version
+    last_step_at: float = field(default_factory=time.monotonic)
+
+
+class ContinualTrainer:
+    """Trains every agent with feedback, one round at a time, publishing in place."""
+
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        feedback: FeedbackStore,
+        registry: AdapterRegistry,
+        config: TrainerConfig,
+        *,
+        agents: Callable[[], Iterable[str]] | None = None,
+        base_model: str | None = None,
+    ):
+        self.engine = engine
+        self.feedback = feedback
+        self.registry = registry
+        self.config = config
+        self.admission = Admission(config.admission)
+        self._agents = agents or feedback.agents_with_rewards
+        self._base_model = base_model or engine.model_name
+        self._runs: dict[str, _AgentRun] = {}
+        self._slots: list[TrainingSlot] = []
+        self._lock = threading.RLock()  # one round or activation at a time
+        self._turn = 0
+        self._task: asyncio.Task[None] | None = None
+        self.history: list[StepResult] = []
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="clora-trainer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.run_round)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep training other agents; the error is in the log
+                log.exception("trainer round failed")
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def _run_for(self, agent: str) -> _AgentRun:
+        run = self._runs.get(agent)
+        if run is None:
+            run = self._load(agent)
+            self._runs[agent] = run
+        return run
+
+    def _load(self, agent: str) -> _AgentRun:
+        """Training state of `agent`: its active registry version, else its live adapter, else fresh."""
+        limits = self.engine.lora_limits
+        targets = tuple(limits.target_modules)
+        optimizer_state = None
+        version = 0
+        try:
+            info = self.registry.active(agent)
+        except NotFoundError:
+            info = None
+        weights: LoRAWeights | None = None
+        if info is not None:
+            weights, optimizer_state = self.registry.load(agent, info.version, limits=limits)
+            version = info.version
+        else:
+            live = self.engine.adapter_weights(agent)
+            if live is not None:
+                version, weights = live
+        if weights is not None:
+            layout = LoRALayout.build(limits, weights.rank, weights.alpha, targets)
+            params = layout.from_weights(weights)
+        else:
+            layout = LoRALayout.build(limits, self.config.rank, self.config.alpha, targets)
+            params = init_lora(layout, seed=self.config.seed + hash(agent) % 10_000)
+        state = AgentTrainState.create(agent, layout, params, version=version)
+        state.load_optimizer_state(optimizer_state)
+        trained = self._trained_seq(agent)
+        return _AgentRun(state, pulled_seq=trained, trained_seq=trained)
+
+    def _trained_seq(self, agent: str) -> int:
+        """Highest reward seq any published version of `agent` trained on (0 if none)."""
+        try:
+            versions = self.registry.versions(agent)
+        except NotFoundError:
+            return 0
+        best = 0
+        for v in versions:
+            window = v.feedback_window or {}
+            best = max(best, int(window.get("to_seq", 0)))
+        return best
+
+    def _slots_for(self, states: list[AgentTrainState]) -> list[TrainingSlot]:
+        need = max(s.layout.numel for s in states)
+        if not self._slots or self._slots[0].capacity < need or len(self._slots) < len(states):
+            count = max(len(states), len(self._slots))
+            self._slots = [TrainingSlot(need, self.engine.device) for _ in range(count)]
+        return self._slots[: len(states)]
+
+    # -- one round ------------------------------------------------------------------------
+
+    def run_round(self) -> list[StepResult]:
+        """Pull rewards, admit, step and publish every ready agent once (blocking)."""
+        with self._lock:
+            agents = [a for a in self._agents() if not self.registry.is_pinned(a)]
+            if not agents:
+                return []
+            self._turn = (self._turn + 1) % len(agents)
+            agents = agents[self._turn :] + agents[: self._turn]  # fair rotation
+            ready: list[tuple[str, list[tuple[TrainingSample, int]]]] = []
+            for agent in agents:
+                batch = self._admit(agent)
+                if batch:
+                    ready.append((agent, batch))
+            results: list[StepResult] = []
+            k = self.config.batched_agents
+            for i in range(0, len(ready), k):
+                results += self._step(ready[i : i + k])
+            return results
+
+    def _admit(self, agent: str) -> list[tuple[TrainingSample, int]]:
+        run = self._run_for(agent)
+        new = self.feedback.training_samples(agent, after_seq=run.pulled_seq)
+        if new:
+            run.pulled_seq = max(s.last_seq for s in new)
+            self.admission.offer(agent, new)
+        overdue = time.monotonic() - run.last_step_at >= self.config.trigger_interval_s
+        return self.admission.admit(agent, run.state.version, force=overdue)
+
+    def _agent_batch(
+        self, state: AgentTrainState, admitted: list[tuple[TrainingSample, int]]
+    ) -> AgentBatch:
+        tokenizer = self.engine.tokenizer
+        eos = tokenizer.eos_token_id
+        batch = AgentBatch(state)
+        for sample, staleness in admitted:
+            if sample.completion_token_ids:
+                batch.pg.append(
+                    PGSample(
+                        group=sample.completion_id,
+                        prompt_ids=sample.prompt_token_ids,
+                        completion_ids=sample.completion_token_ids,
+                        behaviour_logprobs=sample.logprobs,
+                        reward=sample.reward,
+                        staleness=staleness,
+                    )
+                )
+            for target in sample.targets:
+                ids = list(tokenizer.encode(target, add_special_tokens=False))
+                budget = self.engine.max_model_len - len(sample.prompt_token_ids) - 1
+                if budget > 0:
+                    batch.sft.append(
+                        SFTSample(
+                            sample.prompt_token_ids,
+                            ids[:budget] + ([eos] if eos is not None else []),
+                        )
+                    )
+        return batch
+
+    def _step(self, group: list[tuple[str, list[tuple[TrainingSample, int]]]]) -> list[StepResult]:
+        runs = [self._run_for(agent) for agent, _ in group]
+        batches = [
+            self._agent_batch(run.state, admitted)
+            for run, (_, admitted) in zip(runs, group, strict=True)
+        ]
+        slots = self._slots_for([b.state for b in batches])
+        results = train_step(
+            self.engine.model, slots, batches, self.config.loss(), self.config.adam()
+        )
+        published = []
+        for run, (agent, admitted), result in zip(runs, group, results, strict=True):
+            window = {
+                "from_seq": run.trained_seq,
+                "to_seq": max(s.last_seq for s, _ in admitted),
+                "samples": len(admitted),
+                "completion_ids": sorted({s.completion_id for s, _ in admitted})[:1000],
+            }
+            if self._publish(agent, run, result, window):
+                published.append(result)
+        self.history += published
+        return published
+
+    def _publish(
+        self, agent: str, run: _AgentRun, result: StepResult, window: dict[str, object]
+    ) -> bool:
+        state = run.state
+        weights = state.layout.to_weights(state.params)
+        t0 = time.perf_counter()
+        try:
+            info = self.registry.publish(
+                agent,
+                weights,
+                optimizer_state=state.optimizer_state(),
+                base_model=self._base_model,
+                parent=state.version or None,
+                step=state.step,
+                metrics=result.metrics(),
+                feedback_window=window,
+            )
+        except ConflictError as exc:  # pinned or rolled back meanwhile: this step is void
+            log.warning("agent %s: step discarded (%s)", agent, exc.message)
+            self._runs.pop(agent, None)
+            return False
+        written = time.perf_counter()
+        self.engine.set_adapter(agent, info.version, weights)
+        state.version = info.version
+        run.trained_seq = int(window["to_seq"])  # type: ignore[call-overload]
+        run.last_step_at = time.monotonic()
+        log.info(
+            "agent %s: v%d published (step %d, loss %.4f, reward %.3f, %d samples, staleness %.2f, "
+            "swap %.1f ms of %.0f ms step, write %.0f ms)",
+            agent, info.version, state.step, result.loss, result.reward_mean, result.num_pg + result.num_sft,
+            result.staleness_mean, result.swap_s * 1e3, result.step_s * 1e3, (written - t0) * 1e3,
+        )  # fmt: skip
+        return True
+
+    # -- operations ------------------------------------------------------------------------
+
+    def activate(self, agent: str, version: int) -> None:
+        """Serve `version` from the next decode step and train on from its weights and moments."""
+        with self._lock:
+            weights, _ = self.registry.load(agent, version, limits=self.engine.lora_limits)
+            self.engine.set_adapter(agent, version, weights)
+            self._runs.pop(agent, None)  # reloaded from the (now active) version on the next round
+
+    async def activate_async(self, agent: str, version: int) -> None:
+        await asyncio.to_thread(self.activate, agent, version)
