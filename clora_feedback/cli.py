@@ -31,16 +31,28 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clora", description="Agents that keep learning from their users.")
+    parser = argparse.ArgumentParser(
+        prog="clora", description="Agents that keep learning from their users."
+    )
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO).")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="Run the OpenAI-compatible gateway on the embedded engine.")
+    serve = sub.add_parser(
+        "serve", help="Run the OpenAI-compatible gateway on the embedded engine."
+    )
     serve.add_argument("--host", default=None, help="Bind address (default 127.0.0.1).")
     serve.add_argument("--port", type=int, default=None, help="Port (default 8000).")
     serve.add_argument("--config", type=Path, default=None, help="JSON or YAML settings file.")
-    serve.add_argument("--model", default=None, help="Base model: the default name or a HF model directory.")
+    serve.add_argument(
+        "--model", default=None, help="Base model: the default name or a HF model directory."
+    )
     serve.set_defaults(func=_serve)
+
+    from clora_feedback.feedback.cli import add_feedback_parser
+    from clora_feedback.train.cli import add_adapters_parser
+
+    add_feedback_parser(sub)
+    add_adapters_parser(sub)
 
     bench = sub.add_parser("bench", help="Run a benchmark and print its table.")
     bench.add_argument("what", choices=["serve"], help="Which benchmark.")
@@ -51,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     result: int = args.func(args)
     return result
 

@@ -120,6 +120,73 @@ class FeedbackConfig(BaseModel):
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
 
 
+class AdmissionConfig(BaseModel):
+    """Mini-batch admission per agent."""
+
+    min_batch: int = Field(4, ge=1, description="Samples needed before a step may run.")
+    max_batch: int = Field(16, ge=1, description="Most samples in one step.")
+    max_staleness: int = Field(
+        4, ge=0, description="Versions a sample may lag behind; older ones are dropped."
+    )
+    max_source_fraction: float = Field(
+        0.75, gt=0, le=1, description="Largest share of one reward kind when others are waiting."
+    )
+    full_batch: bool = Field(
+        False, description="Baseline policy: wait for exactly max_batch samples."
+    )
+
+
+class GuardConfig(BaseModel):
+    """The regression guard (see `clora_feedback.train.guard`)."""
+
+    enabled: bool = Field(True, description="Check active versions and roll back regressions.")
+    margin: float = Field(
+        0.05,
+        ge=0.0,
+        description="Tolerated drop of the mean reward from parent to new version, in reward units.",
+    )
+    confidence: float = Field(
+        0.95,
+        gt=0.5,
+        lt=1.0,
+        description="One-sided confidence that the drop exceeds `margin` before rolling back.",
+    )
+    min_samples: int = Field(
+        30, ge=2, description="Rewards needed for each of the two versions before judging."
+    )
+    check_interval_s: float = Field(60.0, gt=0, description="Seconds between background checks.")
+
+
+class TrainerConfig(BaseModel):
+    """The continual trainer."""
+
+    enabled: bool = Field(True, description="Run the trainer inside `clora serve`.")
+    rank: int = Field(8, ge=1, description="LoRA rank of adapters the trainer creates.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha of adapters the trainer creates.")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range of the importance ratio.")
+    sft_weight: float = Field(
+        1.0, ge=0, description="Weight of the supervised loss on corrections."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-base weight (0: no reference pass).")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    trigger_interval_s: float = Field(
+        60.0,
+        gt=0,
+        description="Step with whatever is waiting once this long has passed since the last step.",
+    )
+    poll_interval_s: float = Field(
+        0.5, gt=0, description="How often the loop looks for new rewards."
+    )
+    batched_agents: int = Field(
+        1, ge=1, description="Agents per forward/backward (1: serial swap steps, C-LoRA style)."
+    )
+    seed: int = 0
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+
+
 class AgentConfig(BaseModel):
     """An agent declared in configuration."""
 
@@ -144,6 +211,7 @@ class Settings(BaseSettings):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     agents: list[AgentConfig] = Field(default_factory=list)
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     admin_api_key: str | None = Field(
         None,
         description="Key for management routes. With no keys configured at all, the gateway is open.",
@@ -169,6 +237,10 @@ class Settings(BaseSettings):
     @property
     def trajectory_db(self) -> Path:
         return self.data_dir / "trajectories.db"
+
+    @property
+    def registry_db(self) -> Path:
+        return self.data_dir / "registry.db"
 
 
 def load_settings(config_file: Path | None = None, **overrides: object) -> Settings:

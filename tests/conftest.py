@@ -82,6 +82,15 @@ def run_gateway(
     config = Settings(data_dir=data_dir, engine=engine_config, **settings)
     eng = EmbeddedEngine(model_dir, engine_config, model_name="tiny-base")
     app = create_app(config, eng, AsyncTrajectoryStore(config.trajectory_db))
+    with serve_app(app, eng) as gateway:
+        yield gateway
+
+
+@contextmanager
+def serve_app(app: Any, engine: Any) -> Iterator[GatewayServer]:
+    """Serve a built app with uvicorn in a thread on a free loopback port."""
+    import uvicorn
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -98,7 +107,7 @@ def run_gateway(
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the gateway did not start")
         time.sleep(0.02)
-    gateway = GatewayServer(app, eng, f"http://127.0.0.1:{port}", server, thread)
+    gateway = GatewayServer(app, engine, f"http://127.0.0.1:{port}", server, thread)
     try:
         yield gateway
     finally:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from clora_feedback.config import AdmissionConfig
 from clora_feedback.feedback.store import TrainingSample
-from clora_feedback.train.admission import Admission, AdmissionConfig, sample_staleness
+from clora_feedback.train.admission import Admission, sample_staleness
 
 
 def _sample(i: int, versions: list[int], kind: str = "resolution") -> TrainingSample:

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1] / "connectors"
 def test_contract_file_matches_models(rel: str) -> None:
     path = ROOT / rel
     assert path.is_file(), f"{path} missing: run python -m clora_feedback.schemas.export"
-    assert path.read_text() == render()[rel], f"{rel} drifted: run python -m clora_feedback.schemas.export"
+    assert path.read_text() == render()[rel], (
+        f"{rel} drifted: run python -m clora_feedback.schemas.export"
+    )
 
 
 def test_no_stale_files() -> None:

@@ -39,9 +39,15 @@ async def test_outputs_do_not_depend_on_batch_neighbours(model_dir: Path) -> Non
     try:
         engine.set_adapter("a", 1, random_lora_weights(engine.lora_limits, seed=1, std=0.3))
         prompt = engine.tokenizer.encode("The quick brown fox")
-        alone = await engine.add_request(_req("x", "a", prompt, max_tokens=12, temperature=0.8, seed=7)).collect()
-        streams = [engine.add_request(_req("y", "a", prompt, max_tokens=12, temperature=0.8, seed=7))]
-        streams += [engine.add_request(_req(f"n{i}", None, prompt[: i + 2], max_tokens=9)) for i in range(3)]
+        alone = await engine.add_request(
+            _req("x", "a", prompt, max_tokens=12, temperature=0.8, seed=7)
+        ).collect()
+        streams = [
+            engine.add_request(_req("y", "a", prompt, max_tokens=12, temperature=0.8, seed=7))
+        ]
+        streams += [
+            engine.add_request(_req(f"n{i}", None, prompt[: i + 2], max_tokens=9)) for i in range(3)
+        ]
         together = await asyncio.gather(*(s.collect() for s in streams))
         assert _tokens(together[0]) == _tokens(alone)
         assert all(t.adapter_version == 1 for c in alone for t in c.tokens)
@@ -56,7 +62,9 @@ async def test_stop_strings_logprobs_and_text(model_dir: Path) -> None:
     await engine.start()
     try:
         prompt = engine.tokenizer.encode("abc")
-        full = await engine.add_request(_req("f", None, prompt, max_tokens=30, temperature=0.0, ignore_eos=True)).collect()
+        full = await engine.add_request(
+            _req("f", None, prompt, max_tokens=30, temperature=0.0, ignore_eos=True)
+        ).collect()
         text = "".join(c.text for c in full)
         ids = _tokens(full)
         assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -64,7 +72,9 @@ async def test_stop_strings_logprobs_and_text(model_dir: Path) -> None:
         stop = text[5:7]
         if stop.strip() and "\ufffd" not in stop:
             cut = await engine.add_request(
-                _req("s", None, prompt, max_tokens=30, temperature=0.0, stop=(stop,), ignore_eos=True)
+                _req(
+                    "s", None, prompt, max_tokens=30, temperature=0.0, stop=(stop,), ignore_eos=True
+                )
             ).collect()
             assert "".join(c.text for c in cut) == text[: text.index(stop)]
             assert cut[-1].finish_reason == "stop"
@@ -85,7 +95,9 @@ async def test_adapter_update_lands_between_steps_mid_stream(model_dir: Path) ->
         limits = engine.lora_limits
         engine.set_adapter("a", 1, random_lora_weights(limits, seed=1))
         prompt = engine.tokenizer.encode("hello")
-        stream = engine.add_request(_req("m", "a", prompt, max_tokens=200, temperature=0.0, ignore_eos=True))
+        stream = engine.add_request(
+            _req("m", "a", prompt, max_tokens=200, temperature=0.0, ignore_eos=True)
+        )
         versions: list[int] = []
         async for chunk in stream:
             versions += [t.adapter_version for t in chunk.tokens]
@@ -107,7 +119,9 @@ async def test_more_agents_than_slots_and_limits(model_dir: Path) -> None:
         for i in range(4):
             engine.set_adapter(f"a{i}", 1, random_lora_weights(engine.lora_limits, seed=i))
         prompt = engine.tokenizer.encode("hi")
-        streams = [engine.add_request(_req(f"r{i}", f"a{i}", prompt, max_tokens=6)) for i in range(4)]
+        streams = [
+            engine.add_request(_req(f"r{i}", f"a{i}", prompt, max_tokens=6)) for i in range(4)
+        ]
         with pytest.raises(OverloadedError):
             engine.add_request(_req("over", None, prompt, max_tokens=2))
         results = await asyncio.gather(*(s.collect() for s in streams))

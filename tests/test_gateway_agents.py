@@ -13,7 +13,7 @@ from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.errors import AdapterError, InvalidRequestError, NotFoundError
 from clora_feedback.gateway.agents import AgentRegistry, InMemoryVersions
 from clora_feedback.lora.peft_io import save_peft_adapter
-from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
 
 if TYPE_CHECKING:
     from conftest import GatewayFactory
@@ -48,8 +48,9 @@ def too_big_adapter(engine: EmbeddedEngine, tmp_path_factory: pytest.TempPathFac
 
 def test_versions_are_monotonic_per_agent() -> None:
     versions = InMemoryVersions()
-    assert [versions.next_version("a") for _ in range(3)] == [1, 2, 3]
-    assert versions.next_version("b") == 1
+    weights = LoRAWeights(rank=1, alpha=1.0)
+    assert [versions.adopt("a", Path("x"), weights) for _ in range(3)] == [1, 2, 3]
+    assert versions.adopt("b", Path("x"), weights) == 1
 
 
 async def test_routing_of_base_configured_and_unknown_models(

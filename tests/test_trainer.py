@@ -10,16 +10,15 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from clora_feedback.config import EngineConfig, FeedbackConfig
+from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.feedback.rewards import RewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.models.tiny import build_tiny_model_dir
 from clora_feedback.schemas.feedback import Correction, Reward
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
-from clora_feedback.train.admission import AdmissionConfig
 from clora_feedback.train.registry import AdapterRegistry
-from clora_feedback.train.trainer import ContinualTrainer, TrainerConfig
+from clora_feedback.train.trainer import ContinualTrainer
 
 
 @pytest.fixture(scope="module")

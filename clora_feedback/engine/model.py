@@ -13,7 +13,9 @@ Not here: scheduling, sampling, tokenisation (see `embedded`, `sampling`).
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from clora_feedback.errors import AdapterError, InvalidRequestError
-from clora_feedback.lora.ops import LoRABatch, lora_delta
+from clora_feedback.lora.ops import LoRABatch, add_lora_delta_, lora_delta
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights, module_key
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -115,42 +117,46 @@ class LoRASlots:
     """Adapter slot buffers for one fused projection group of one layer.
 
     `a` is [S, R_g, in] and `b` is [S, out_g, R_g], where R_g stacks one
-    `max_rank` block per member projection and `b` is block-diagonal, so a
-    fused q/k/v (or gate/up) update is a single matmul pair.
+    `max_rank` block per targeted member projection, out_g covers every member
+    of the group (rows of untargeted members stay zero) and `b` is
+    block-diagonal, so a fused q/k/v (or gate/up) update is a single matmul
+    pair. `b` is a transposed view of an [S, R_g, out_g] buffer, so each
+    slot's B^T streams contiguously (see `clora_feedback.lora.ops`).
     """
 
     def __init__(
         self,
         members: list[tuple[str, int]],
+        chosen: tuple[str, ...],
         fan_in: int,
         num_slots: int,
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.members = members  # (projection name, out_features), output order
+        self.members = [(name, out) for name, out in members if name in chosen]
         self.max_rank = max_rank
-        total_out = sum(out for _, out in members)
-        self.a = torch.zeros(num_slots, max_rank * len(members), fan_in, dtype=dtype, device=device)
-        self.b = torch.zeros(
-            num_slots, total_out, max_rank * len(members), dtype=dtype, device=device
-        )
+        self._offsets: dict[str, int] = {}  # member -> first row in the group output
+        offset = 0
+        for name, out in members:
+            self._offsets[name] = offset
+            offset += out
+        rank = max_rank * len(self.members)
+        self.a = torch.zeros(num_slots, rank, fan_in, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, rank, offset, dtype=dtype, device=device).transpose(1, 2)
 
     def write(
         self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float
     ) -> None:
         """Copy one adapter's matrices into `slot` (missing members stay zero)."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        out_offset = 0
+        self.clear(slot)
         for m, (name, out) in enumerate(self.members):
             if name in pieces:
                 a, b = pieces[name]
                 r = a.shape[0]
-                lo = m * self.max_rank
+                lo, row = m * self.max_rank, self._offsets[name]
                 self.a[slot, lo : lo + r].copy_(a)
-                self.b[slot, out_offset : out_offset + out, lo : lo + r].copy_(b * scaling)
-            out_offset += out
+                self.b[slot, row : row + out, lo : lo + r].copy_(b * scaling)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -167,6 +173,162 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+
+
+class DenseKernels:
+    """How the serving fast path multiplies by each base weight (inference only).
+
+    `layers[i][group](x)` computes x [N, in] @ W.T for the layer's fused weight
+    W [out, in], `lm_head(x)` the vocabulary projection. The plain weights stay
+    in `LoRAModel.layers` for the differentiable path; a kernel may hold
+    another copy in a layout the CPU multiplies faster (see `build`).
+    """
+
+    def __init__(self, layers: list[dict[str, Linear]], lm_head: Linear, name: str):
+        self.layers = layers
+        self.lm_head = lm_head
+        self.name = name
+
+    @classmethod
+    def build(
+        cls, layers: list[dict[str, torch.Tensor]], lm_head: torch.Tensor, kernel: str = "auto"
+    ) -> DenseKernels:
+        """Pick the kernel for these weights' dtype and device.
+
+        `packed` (bf16 on CPU with oneDNN) pre-packs each weight once into
+        oneDNN's blocked layout; otherwise `linear` calls `F.linear` on the
+        plain weights. The chosen kernel is checked against `F.linear` on
+        the first weight, falling back to `linear` on any disagreement.
+        """
+        if kernel == "auto":
+            kernel = "packed" if _packed_supported(lm_head) else "linear"
+        if kernel == "packed":
+            try:
+                packed = cls(
+                    [{g: _packed(w) for g, w in _dense_items(layer)} for layer in layers],
+                    _packed(lm_head),
+                    "packed",
+                )
+                if _agrees(packed.layers[0]["qkv"], layers[0]["qkv"]):
+                    return packed
+            except RuntimeError:
+                pass
+        return cls(
+            [{g: _plain(w) for g, w in _dense_items(layer)} for layer in layers],
+            _plain(lm_head),
+            "linear",
+        )
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _dense_items(layer: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return [(g, layer[g]) for g, _ in GROUPS]
+
+
+def _plain(w: torch.Tensor) -> Linear:
+    return functools.partial(F.linear, weight=w)
+
+
+def _packed_supported(w: torch.Tensor) -> bool:
+    return (
+        w.dtype == torch.bfloat16
+        and w.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def _packed(w: torch.Tensor) -> Linear:
+    blocked = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    pointwise = torch.ops.mkldnn._linear_pointwise
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return pointwise(x, blocked, None, "none", [], "")
+
+    return linear
+
+
+def _agrees(kernel: Linear, w: torch.Tensor) -> bool:
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+    with torch.inference_mode():
+        want = F.linear(x.float(), w.float())
+        got = kernel(x).float()
+    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+
+
+@dataclass
+class _DecodeStep:
+    """Per-step values shared by every layer of one decode step.
+
+    Attributes:
+        cos, sin: [B, H+K, D] RoPE tables for each row's position (`sin` pre-signed,
+            the query heads pre-scaled by 1/sqrt(D) so attention needs no scaling).
+        offsets: [B*K] flat index of each (row, kv head) slot at its position in a
+            layer's cache viewed as [rows*K*max_len, D].
+        rows: the cache rows; `run` is its first row when they are consecutive.
+        span: cache positions any row attends to.
+        bias: [B*K, 1, span] additive mask (-inf past each row's position), or None
+            when every row is at the same position.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    offsets: torch.Tensor
+    rows: torch.Tensor
+    run: int | None
+    span: int
+    bias: torch.Tensor | None
+    num_heads: int
+
+    @classmethod
+    def build(
+        cls, model: LoRAModel, rows: list[int], positions: torch.Tensor, cache: KVCache
+    ) -> _DecodeStep:
+        c, device = model.config, model.device
+        b, kv = len(rows), c.num_kv_heads
+        pos = positions.tolist()
+        span = max(pos) + 1
+        row_index = torch.tensor(rows, device=device)
+        heads = torch.arange(kv, device=device)
+        offsets = ((row_index * kv).unsqueeze(1) + heads) * cache.max_len + positions.unsqueeze(1)
+        scale = torch.ones(c.num_heads + kv, 1, dtype=model.dtype, device=device)
+        scale[: c.num_heads] = c.head_dim**-0.5
+        cos = model.cos[positions].unsqueeze(1) * scale  # [B, H+K, D]
+        sin = model._sin_signed[positions].unsqueeze(1) * scale
+        bias = None
+        if min(pos) != span - 1:
+            beyond = torch.arange(span, device=device).unsqueeze(0) > positions.unsqueeze(1)
+            bias = torch.zeros(b, span, dtype=torch.float32, device=device)
+            bias = bias.masked_fill_(beyond, float("-inf")).repeat_interleave(kv, 0).unsqueeze(1)
+        run = rows[0] if rows == list(range(rows[0], rows[0] + b)) else None
+        return cls(cos, sin, offsets.view(-1), row_index, run, span, bias, c.num_heads)
+
+    def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k [B, K, D] and v [B, K*D] at each row's position."""
+        d = cache.k.shape[-1]
+        cache.k[layer].view(-1, d).index_copy_(0, self.offsets, k.reshape(-1, d))
+        cache.v[layer].view(-1, d).index_copy_(0, self.offsets, v.reshape(-1, d))
+
+    def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D] (pre-scaled) -> [B, H*D] attention output over each row's cache."""
+        b, heads, d = q.shape
+        kv = cache.k.shape[2]
+        if self.run is not None:  # consecutive rows: a view, no copy
+            keys = cache.k[layer, self.run : self.run + b, :, : self.span]
+            values = cache.v[layer, self.run : self.run + b, :, : self.span]
+        else:
+            keys = cache.k[layer, :, :, : self.span].index_select(0, self.rows)
+            values = cache.v[layer, :, :, : self.span].index_select(0, self.rows)
+        # Grouped-query attention as two batched matmuls over (row, kv head): the
+        # heads sharing a kv head form the M dimension, so no key is repeated.
+        q3 = q.reshape(b * kv, heads // kv, d)
+        scores = torch.bmm(q3, keys.reshape(b * kv, self.span, d).transpose(1, 2))
+        if self.bias is not None:
+            scores += self.bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, values.reshape(b * kv, self.span, d)).view(b, heads * d)
 
 
 class LoRAModel:
@@ -225,13 +387,18 @@ class LoRAModel:
             self.layers.append(layer)
             group_slots = {}
             for group, members in GROUPS:
-                chosen = [(m, shapes[m][1]) for m in members if m in self.target_modules]
-                if chosen:
-                    fan_in = shapes[members[0]][0]
+                if any(m in self.target_modules for m in members):
                     group_slots[group] = LoRASlots(
-                        chosen, fan_in, self.num_slots, max_lora_rank, dtype, self.device
+                        [(m, shapes[m][1]) for m in members],
+                        self.target_modules,
+                        shapes[members[0]][0],
+                        self.num_slots,
+                        max_lora_rank,
+                        dtype,
+                        self.device,
                     )
             self.slots.append(group_slots)
+        self._dense = DenseKernels.build(self.layers, self.lm_head)
         inv_freq = 1.0 / (
             config.rope_theta
             ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
@@ -241,6 +408,9 @@ class LoRAModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         self.sin = emb.sin().to(device=self.device, dtype=dtype)
+        # rotate_half(x) * sin == roll(x, D/2) * sin_signed: one roll instead of slice/neg/cat.
+        half = config.head_dim // 2
+        self._sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     @classmethod
     def from_dir(
@@ -292,39 +462,22 @@ class LoRAModel:
                     slots.write(slot, pieces, weights.scaling)
 
     def clear_slot(self, slot: int) -> None:
-        for group_slots in self.slots:
-            for slots in group_slots.values():
-                slots.clear(slot)
+        with torch.no_grad():
+            for group_slots in self.slots:
+                for slots in group_slots.values():
+                    slots.clear(slot)
 
-    # -- forward --------------------------------------------------------------------
+    # -- forward: general (differentiable; the trainer reuses these) ------------------
 
     def _proj(self, x: torch.Tensor, layer: int, group: str, lora: LoRABatch) -> torch.Tensor:
-        w = self.layers[layer][group]
-        y = x @ w.t()
-        if group == "qkv" and "qkv_bias" in self.layers[layer]:
-            y = y + self.layers[layer]["qkv_bias"]
+        """x [B, T, in] -> [B, T, out]: base projection plus each row's LoRA update."""
+        y = F.linear(x, self.layers[layer][group], self.layers[layer].get(f"{group}_bias"))
         slots = self.slots[layer].get(group)
         if slots is not None:
             delta = lora_delta(x, slots.a, slots.b, lora)
             if delta is not None:
-                if len(slots.members) == len(dict(GROUPS)[group]):
-                    y = y + delta
-                else:  # only some members targeted: scatter their outputs into place
-                    y = y + self._expand(delta, group, slots)
+                y = y + delta
         return y
-
-    def _expand(self, delta: torch.Tensor, group: str, slots: LoRASlots) -> torch.Tensor:
-        shapes = self.config.projection_shapes()
-        parts, offset = [], 0
-        chosen = dict(slots.members)
-        for name in dict(GROUPS)[group]:
-            out = shapes[name][1]
-            if name in chosen:
-                parts.append(delta[..., offset : offset + out])
-                offset += out
-            else:
-                parts.append(delta.new_zeros(*delta.shape[:-1], out))
-        return torch.cat(parts, dim=-1)
 
     def _mlp(self, x: torch.Tensor, i: int, lora: LoRABatch) -> torch.Tensor:
         gate, up = self._proj(x, i, "gate_up", lora).chunk(2, dim=-1)
@@ -349,7 +502,26 @@ class LoRAModel:
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return (_rms_norm(h, self.final_norm, self.config.rms_norm_eps) @ self.lm_head.t()).float()
+        """h [..., hidden] -> [..., V] fp32 logits."""
+        x = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
+        return self._dense.lm_head(x).float()
+
+    # -- forward: serving fast path (inference only) ---------------------------------
+
+    def _fast_proj(self, x: torch.Tensor, layer: int, group: str, lora: LoRABatch) -> torch.Tensor:
+        """x [N, in] -> [N, out] for N tokens of `lora`'s rows; same values as `_proj`."""
+        y = self._dense.layers[layer][group](x)
+        bias = self.layers[layer].get(f"{group}_bias")
+        if bias is not None:
+            y += bias
+        slots = self.slots[layer].get(group)
+        if slots is not None:
+            add_lora_delta_(y, x, slots.a, slots.b, lora)
+        return y
+
+    def _fast_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on [..., heads, D] with `sin` pre-signed (see `_sin_signed`)."""
+        return torch.addcmul(qk * cos, torch.roll(qk, qk.shape[-1] // 2, -1), sin)
 
     @torch.inference_mode()
     def prefill(
@@ -369,26 +541,37 @@ class LoRAModel:
         """
         c = self.config
         t = token_ids.shape[0]
+        heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         lora = LoRABatch.from_slots([slot], self.device)
-        positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)
-        h = self.embed[token_ids].unsqueeze(0)  # [1, T, hidden]
+        cos = self.cos[start : start + t].unsqueeze(1)  # [T, 1, D]
+        sin = self._sin_signed[start : start + t].unsqueeze(1)
+        mask = None
+        if start:
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=self.device).tril(start)
+        h = self.embed[token_ids]  # [T, hidden]
         for i, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-            q, k, v = self._split_qkv(self._proj(x, i, "qkv", lora), positions)
-            cache.k[i, row, :, start : start + t] = k[0]
-            cache.v[i, row, :, start : start + t] = v[0]
-            if start == 0:
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            else:
-                keys = cache.k[i, row : row + 1, :, : start + t]
-                values = cache.v[i, row : row + 1, :, : start + t]
-                mask = torch.ones(t, start + t, dtype=torch.bool, device=self.device).tril(start)
-                attn = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=mask, enable_gqa=True
-                )
-            h = h + self._proj(attn.transpose(1, 2).reshape(1, t, -1), i, "o", lora)
-            h = h + self._mlp(_rms_norm(h, layer["post_norm"], c.rms_norm_eps), i, lora)
-        return self._logits(h[0, -1])
+            x = F.rms_norm(h, (c.hidden_size,), layer["in_norm"], c.rms_norm_eps)
+            qkv = self._fast_proj(x, i, "qkv", lora)  # [T, (H+2K)*D]
+            qk = self._fast_rope(qkv[:, : (heads + kv) * d].view(t, heads + kv, d), cos, sin)
+            q = qk[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+            cache.k[i, row, :, start : start + t] = qk[:, heads:].transpose(0, 1)
+            cache.v[i, row, :, start : start + t] = (
+                qkv[:, (heads + kv) * d :].view(t, kv, d).transpose(0, 1)
+            )
+            keys = cache.k[i, row : row + 1, :, : start + t]
+            values = cache.v[i, row : row + 1, :, : start + t]
+            attn = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )
+            h = h + self._fast_proj(attn[0].transpose(0, 1).reshape(t, -1), i, "o", lora)
+            x = F.rms_norm(h, (c.hidden_size,), layer["post_norm"], c.rms_norm_eps)
+            h = h + self._fast_mlp(x, i, lora)
+        return self._logits(h[-1])
+
+    def _fast_mlp(self, x: torch.Tensor, i: int, lora: LoRABatch) -> torch.Tensor:
+        gate_up = self._fast_proj(x, i, "gate_up", lora)
+        inter = self.config.intermediate_size
+        return self._fast_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], i, "down", lora)
 
     @torch.inference_mode()
     def decode(
@@ -413,27 +596,18 @@ class LoRAModel:
         """
         c = self.config
         b = token_ids.shape[0]
-        span = int(positions.max().item()) + 1
-        contiguous = rows == list(range(rows[0], rows[0] + b))
-        row_index = torch.tensor(rows, device=self.device)
-        # mask[b, j]: may row b attend to cached position j
-        mask = (torch.arange(span, device=self.device).unsqueeze(0) <= positions.unsqueeze(1)).view(
-            b, 1, 1, span
-        )
-        h = self.embed[token_ids].unsqueeze(1)  # [B, 1, hidden]
-        pos2 = positions.unsqueeze(1)
+        heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        step = _DecodeStep.build(self, rows, positions, cache)
+        h = self.embed[token_ids]  # [B, hidden]
         for i, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-            q, k, v = self._split_qkv(self._proj(x, i, "qkv", lora), pos2)
-            cache.k[i, row_index, :, positions] = k[:, :, 0]
-            cache.v[i, row_index, :, positions] = v[:, :, 0]
-            if contiguous:
-                keys = cache.k[i, rows[0] : rows[0] + b, :, :span]
-                values = cache.v[i, rows[0] : rows[0] + b, :, :span]
-            else:
-                keys = cache.k[i].index_select(0, row_index)[:, :, :span]
-                values = cache.v[i].index_select(0, row_index)[:, :, :span]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            h = h + self._proj(attn.transpose(1, 2).reshape(b, 1, -1), i, "o", lora)
-            h = h + self._mlp(_rms_norm(h, layer["post_norm"], c.rms_norm_eps), i, lora)
-        return self._logits(h[:, 0])
+            x = F.rms_norm(h, (c.hidden_size,), layer["in_norm"], c.rms_norm_eps)
+            qkv = self._fast_proj(x, i, "qkv", lora)  # [B, (H+2K)*D]
+            qk = self._fast_rope(
+                qkv[:, : (heads + kv) * d].view(b, heads + kv, d), step.cos, step.sin
+            )
+            step.store(cache, i, qk[:, heads:], qkv[:, (heads + kv) * d :])
+            attn = step.attend(cache, i, qk[:, :heads])  # [B, H*D]
+            h = h + self._fast_proj(attn, i, "o", lora)
+            x = F.rms_norm(h, (c.hidden_size,), layer["post_norm"], c.rms_norm_eps)
+            h = h + self._fast_mlp(x, i, lora)
+        return self._logits(h)

@@ -357,7 +357,10 @@ class FeedbackStore:
 
     def agents_with_rewards(self) -> list[str]:
         with self._lock, self._translate("read"):
-            return [r[0] for r in self._conn.execute("SELECT DISTINCT agent FROM rewards ORDER BY agent")]
+            return [
+                r[0]
+                for r in self._conn.execute("SELECT DISTINCT agent FROM rewards ORDER BY agent")
+            ]
 
     def training_samples(
         self, agent: str, *, after_seq: int = 0, limit: int = 1000

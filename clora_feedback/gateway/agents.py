@@ -42,10 +42,15 @@ log = logging.getLogger(__name__)
 
 
 class VersionSource(Protocol):
-    """Hands out adapter version numbers (the seam for the persistent version registry)."""
+    """Numbers (and, with a registry, records) the adapters loaded at runtime.
 
-    def next_version(self, agent: str) -> int:
-        """A version number greater than every one handed out before for `agent`."""
+    The seam for the persistent version registry: `clora_feedback.service`
+    plugs in one that publishes every loaded adapter as an immutable version.
+    """
+
+    def adopt(self, agent: str, path: Path, weights: LoRAWeights) -> int:
+        """Record an adapter loaded from `path` for `agent`; returns its new version number,
+        greater than every one handed out before for `agent`. Blocking (may write files)."""
         ...
 
 
@@ -55,7 +60,7 @@ class InMemoryVersions:
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
 
-    def next_version(self, agent: str) -> int:
+    def adopt(self, agent: str, path: Path, weights: LoRAWeights) -> int:
         version = self._last.get(agent, BASE_VERSION) + 1
         self._last[agent] = version
         return version
@@ -118,11 +123,8 @@ class AgentRegistry:
         return self._engine.model_name
 
     @property
-    def limits(self) -> LoRALimits | None:
-        # `lora_limits` is not (yet) part of the Engine Protocol; engines without it
-        # still validate in `set_adapter`, only after the tensors are read.
-        limits = getattr(self._engine, "lora_limits", None)
-        return limits if isinstance(limits, LoRALimits) else None
+    def limits(self) -> LoRALimits:
+        return self._engine.lora_limits
 
     async def start(self, agents: Iterable[AgentConfig]) -> None:
         """Register configured agents and load their initial adapters.
@@ -205,7 +207,7 @@ class AgentRegistry:
             weights: LoRAWeights = await asyncio.to_thread(
                 load_peft_adapter, Path(path), limits=self.limits
             )
-            version = self._versions.next_version(name)
+            version = await asyncio.to_thread(self._versions.adopt, name, Path(path), weights)
             self._engine.set_adapter(name, version, weights)
             if info is None:
                 info = AgentInfo(name, int(time.time()), from_config=False)
@@ -213,6 +215,15 @@ class AgentRegistry:
             info.adapter_path = Path(path)
             info.adapter_version = version
             return version
+
+    def restore(self, name: str, version: int) -> None:
+        """Register an agent whose adapter the caller already installed in the engine
+        (e.g. its active version from the registry after a restart)."""
+        info = self._agents.get(name)
+        if info is None:
+            info = AgentInfo(name, int(time.time()), from_config=False)
+            self._agents[name] = info
+        info.adapter_version = version
 
     async def unload_adapter(self, name: str) -> None:
         """Remove `name`'s adapter; a configured agent falls back to the base model.

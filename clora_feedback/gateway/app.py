@@ -14,13 +14,14 @@ Not here: command-line parsing (see `clora_feedback.cli`).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Protocol
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from clora_feedback import __version__
-from clora_feedback.config import DEFAULT_MODEL, Settings
+from clora_feedback.config import Settings
 from clora_feedback.engine.base import Engine
 from clora_feedback.gateway.admin import AdapterAdminHandler, ModelsHandler, TrajectoryHandler
 from clora_feedback.gateway.agents import AgentRegistry, VersionSource
@@ -35,12 +36,23 @@ from clora_feedback.store.trajectories import AsyncTrajectoryStore
 log = logging.getLogger(__name__)
 
 
+class Component(Protocol):
+    """A long-running part started after the engine and stopped before it."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 def create_app(
     settings: Settings,
     engine: Engine,
     store: AsyncTrajectoryStore,
     *,
     versions: VersionSource | None = None,
+    agents: AgentRegistry | None = None,
+    routers: Sequence[APIRouter] = (),
+    components: Sequence[Component] = (),
 ) -> FastAPI:
     """The gateway app over `engine` and `store` (both started by the app's lifespan).
 
@@ -49,8 +61,11 @@ def create_app(
         engine: the serving engine (not yet started).
         store: the trajectory store (not yet started).
         versions: where adapter version numbers come from (default: in memory).
+        agents: a prepared agent registry (default: a new one over `engine`).
+        routers: more routes (feedback, adapters), mounted after the OpenAI ones.
+        components: started in order once the agents are loaded, stopped in reverse.
     """
-    agents = AgentRegistry(engine, versions=versions)
+    agents = agents or AgentRegistry(engine, versions=versions)
     metrics = Metrics()
     state = GatewayState(
         engine=engine,
@@ -72,8 +87,16 @@ def create_app(
             await engine.start()
             try:
                 await agents.start(settings.agents)
-                log.info("serving %s with agents %s", engine.model_name, agents.names())
-                yield
+                started: list[Component] = []
+                try:
+                    for component in components:
+                        await component.start()
+                        started.append(component)
+                    log.info("serving %s with agents %s", engine.model_name, agents.names())
+                    yield
+                finally:
+                    for component in reversed(started):
+                        await component.stop()
             finally:
                 await engine.stop()
         finally:
@@ -84,21 +107,17 @@ def create_app(
     app.state.authenticator = state.authenticator
     install_error_handlers(app)
     app.include_router(router)
+    for extra in routers:
+        app.include_router(extra)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     return app
 
 
 def build_app_from_settings(settings: Settings) -> FastAPI:
-    """Resolve the model, build the embedded engine and the SQLite store, and wire the app."""
-    from clora_feedback.engine.embedded import EmbeddedEngine
-    from clora_feedback.models.resolve import resolve_model_dir
+    """The full embedded default: see `clora_feedback.service.build_service`."""
+    from clora_feedback.service import build_service
 
-    model_dir = resolve_model_dir(settings.engine.model, settings.model_cache_dir)
-    # Clients name the base model as configured; a path is served under its directory name.
-    name = DEFAULT_MODEL if settings.engine.model == DEFAULT_MODEL else model_dir.name
-    engine = EmbeddedEngine(model_dir, settings.engine, model_name=name)
-    store = AsyncTrajectoryStore(settings.trajectory_db)
-    return create_app(settings, engine, store)
+    return build_service(settings)
 
 
 def serve(settings: Settings) -> None:

@@ -5,18 +5,56 @@ Adapters live in preallocated slot buffers (see `clora_feedback.engine.model`):
 adapter"), lower ranks zero-padded to R, the alpha/r scaling folded into B.
 
 `lora_delta_reference` is the plain-torch definition (gather each row's A and
-B, batched matmul). `lora_delta` is the dispatching fast path used by the
-engine; `tests/test_lora_ops.py` checks that the two agree.
+B, batched matmul). `lora_delta` and `add_lora_delta_` are the fast paths used
+by the engine; `tests/test_lora_engine_vs_peft.py` checks that they agree.
 
-Semantics (both functions):
+Semantics (all three functions):
     delta[b, t, :] = x[b, t, :] @ a_slots[slot_ids[b]].T @ b_slots[slot_ids[b]].T
+
+How the fast path mixes adapters without a per-row gather of A and B: rows
+are grouped by slot (once per batch, see `LoRABatch.mix_plan`), and the
+update is two batched matmuls over the slots in use, [n, m, in] @ A^T ->
+[n, m, R] @ B^T -> [n, m, out] (n slots, m rows per slot), scattered back to
+the rows with `index_add_`. Each slot's A and B are read once, streamed in
+their stored layout, never copied; when the slots in use form a run lo..hi the
+operands are views. On CPU this streams adapter bytes ~3x faster than one
+dense [B, n*R] matmul (which repacks the whole [n*R, out] operand per call)
+and ~5x faster than gathering per-row copies. `b_slots` is best a transposed
+view of an [S, R, out] buffer (the engine's layout): B^T of each slot is then
+contiguous.
+
+Not here: slot bookkeeping, file formats.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class _MixPlan:
+    """Rows of a mixed batch grouped by slot: n slots x m rows (padded).
+
+    Attributes:
+        lo, hi: slot run lo..hi (inclusive), read as views; unused when `index` is set.
+        index: [n] slots to gather instead (when the run would read many unused slots).
+        rows: [n*m] token row feeding each (slot, j) entry; padding points at row 0.
+        padded: [n*m] bool, true for padding entries (None when there are none).
+        m: rows per slot.
+    """
+
+    lo: int
+    hi: int
+    index: torch.Tensor | None
+    rows: torch.Tensor
+    padded: torch.Tensor | None
+    m: int
+
+    @property
+    def n(self) -> int:
+        return self.rows.numel() // self.m
 
 
 @dataclass(frozen=True)
@@ -30,6 +68,9 @@ class LoRABatch:
 
     slot_ids: torch.Tensor
     uniform_slot: int | None
+    # Per-batch derived values (mixing plan, masks per dtype), computed once and
+    # shared by every projection of every layer in the step.
+    _memo: dict[object, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_slots(cls, slots: list[int], device: torch.device | str = "cpu") -> LoRABatch:
@@ -39,6 +80,59 @@ class LoRABatch:
     @property
     def is_base_only(self) -> bool:
         return self.uniform_slot == 0
+
+    def mix_plan(self, tokens_per_row: int = 1) -> _MixPlan:
+        """Group the token rows ([B * tokens_per_row], row-major) by slot."""
+        key = ("plan", tokens_per_row)
+        plan = self._memo.get(key)
+        if plan is None:
+            plan = _build_plan(self.slot_ids, tokens_per_row)
+            self._memo[key] = plan
+        assert isinstance(plan, _MixPlan)
+        return plan
+
+    def mix_padding(self, plan: _MixPlan, dtype: torch.dtype) -> torch.Tensor:
+        """[n, m, 1] multiplier zeroing the padding entries of `plan`."""
+        key = ("keep", id(plan), dtype)
+        keep = self._memo.get(key)
+        if keep is None:
+            assert plan.padded is not None
+            keep = (~plan.padded).to(dtype).view(plan.n, plan.m, 1)
+            self._memo[key] = keep
+        assert isinstance(keep, torch.Tensor)
+        return keep
+
+
+def _build_plan(slot_ids: torch.Tensor, tokens_per_row: int) -> _MixPlan:
+    slots = [int(s) for s in slot_ids.tolist()]
+    groups: dict[int, list[int]] = {}
+    for b, s in enumerate(slots):
+        if s != 0:
+            groups.setdefault(s, []).extend(range(b * tokens_per_row, (b + 1) * tokens_per_row))
+    used = sorted(groups)
+    lo, hi = used[0], used[-1]
+    # A run reads the unused slots in between; gathering copies each used slot
+    # and reads it again (~3x its bytes). Take the run unless it is 2x wider.
+    index = None
+    order = list(range(lo, hi + 1))
+    if len(order) > 2 * len(used):
+        order = used
+        index = torch.tensor(used, dtype=torch.long, device=slot_ids.device)
+    m = max(len(g) for g in groups.values())
+    rows: list[int] = []
+    padded: list[bool] = []
+    for s in order:
+        group = groups.get(s, [])
+        rows += group + [0] * (m - len(group))
+        padded += [False] * len(group) + [True] * (m - len(group))
+    return _MixPlan(
+        lo,
+        hi,
+        index,
+        torch.tensor(rows, dtype=torch.long, device=slot_ids.device),
+        torch.tensor(padded, device=slot_ids.device) if any(padded) else None,
+        m,
+    )
 
 
 def lora_delta_reference(
@@ -60,19 +154,58 @@ def lora_delta_reference(
     return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
 
 
+def add_lora_delta_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_slots: torch.Tensor,
+    b_slots: torch.Tensor,
+    batch: LoRABatch,
+) -> None:
+    """In place: `y += delta` with the semantics of `lora_delta_reference`.
+
+    Args:
+        y: [B, T, out] or [B, out] contiguous base projection output (modified).
+        x: [B, T, in] or [B, in] activations (T = 1 when 2-D).
+        a_slots: [S, R, in] stacked A matrices.
+        b_slots: [S, out, R] stacked (pre-scaled) B matrices.
+        batch: the slot of each of the B rows.
+    """
+    if batch.uniform_slot == 0:
+        return
+    fan_in, fan_out = x.shape[-1], y.shape[-1]
+    x2 = x.reshape(-1, fan_in)
+    y2 = y.view(-1, fan_out)
+    if batch.uniform_slot is not None:
+        # One adapter for every row: a plain matmul pair over all tokens.
+        shrunk = x2 @ a_slots[batch.uniform_slot].t()  # [N, R]
+        y2.addmm_(shrunk, b_slots[batch.uniform_slot].t())
+        return
+    plan = batch.mix_plan(x2.shape[0] // batch.slot_ids.shape[0])
+    if plan.index is None:
+        a = a_slots[plan.lo : plan.hi + 1]  # [n, R, in]
+        b = b_slots[plan.lo : plan.hi + 1]  # [n, out, R]
+    else:
+        a = a_slots.index_select(0, plan.index)
+        b = b_slots.index_select(0, plan.index)
+    grouped = x2.index_select(0, plan.rows).view(plan.n, plan.m, fan_in)
+    if plan.padded is not None:
+        grouped = grouped * batch.mix_padding(plan, x.dtype)
+    shrunk = torch.bmm(grouped, a.transpose(1, 2))  # [n, m, R]
+    update = torch.bmm(shrunk, b.transpose(1, 2))  # [n, m, out]
+    y2.index_add_(0, plan.rows, update.view(-1, fan_out))
+
+
 def lora_delta(
     x: torch.Tensor, a_slots: torch.Tensor, b_slots: torch.Tensor, batch: LoRABatch
 ) -> torch.Tensor | None:
     """Fast per-row LoRA update with the semantics of `lora_delta_reference`.
 
     Returns None when every row uses slot 0 (the update is exactly zero), so the
-    caller skips the add. When all rows share one adapter, the rows are flattened
-    into one plain matmul pair instead of a gather + batched matmul.
+    caller skips the add. Otherwise returns the [B, T, out] update (see
+    `add_lora_delta_` for how rows with different adapters are combined).
     """
     if batch.uniform_slot == 0:
         return None
-    if batch.uniform_slot is not None:
-        a = a_slots[batch.uniform_slot]  # [R, in]
-        b = b_slots[batch.uniform_slot]  # [out, R]
-        return (x @ a.t()) @ b.t()
-    return lora_delta_reference(x, a_slots, b_slots, batch.slot_ids)
+    out = x.new_zeros(*x.shape[:-1], b_slots.shape[1])
+    add_lora_delta_(out, x, a_slots, b_slots, batch)
+    return out

@@ -65,7 +65,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "kind": "resolution",
         "event_id": "zendesk-ticket-99122-escalated",
         "agent": "support-agent",
-        "completion_ids": ["chatcmpl-2c3d4e5f6a7b8c9d0e1f2a3b", "chatcmpl-3d4e5f6a7b8c9d0e1f2a3b4c"],
+        "completion_ids": [
+            "chatcmpl-2c3d4e5f6a7b8c9d0e1f2a3b",
+            "chatcmpl-3d4e5f6a7b8c9d0e1f2a3b4c",
+        ],
         "source": "zendesk",
         "occurred_at": "2026-11-29T11:05:00Z",
         "outcome": "escalated",
@@ -88,8 +91,16 @@ def topics() -> dict[str, Any]:
     key = "the agent name (UTF-8), so one agent's feedback stays ordered in one partition"
     return {
         "topics": [
-            {"name": kafka.corrections_topic, "key": key, "value": "schemas/correction.schema.json"},
-            {"name": kafka.resolutions_topic, "key": key, "value": "schemas/resolution.schema.json"},
+            {
+                "name": kafka.corrections_topic,
+                "key": key,
+                "value": "schemas/correction.schema.json",
+            },
+            {
+                "name": kafka.resolutions_topic,
+                "key": key,
+                "value": "schemas/resolution.schema.json",
+            },
             {"name": kafka.rewards_topic, "key": key, "value": "schemas/reward.schema.json"},
             {
                 "name": kafka.dead_letter_topic,
@@ -138,6 +149,10 @@ def _json(value: object) -> str:
 
 
 if __name__ == "__main__":
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "connectors"
+    root = (
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else Path(__file__).resolve().parents[2] / "connectors"
+    )
     for p in write(root):
         print(p)

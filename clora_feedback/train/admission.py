@@ -23,21 +23,8 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field
-
+from clora_feedback.config import AdmissionConfig
 from clora_feedback.feedback.store import TrainingSample
-
-
-class AdmissionConfig(BaseModel):
-    """Mini-batch admission per agent."""
-
-    min_batch: int = Field(4, ge=1, description="Samples needed before a step may run.")
-    max_batch: int = Field(16, ge=1, description="Most samples in one step.")
-    max_staleness: int = Field(4, ge=0, description="Versions a sample may lag behind; older ones are dropped.")
-    max_source_fraction: float = Field(
-        0.75, gt=0, le=1, description="Largest share of one reward kind when others are waiting."
-    )
-    full_batch: bool = Field(False, description="Baseline policy: wait for exactly max_batch samples.")
 
 
 @dataclass
@@ -74,7 +61,9 @@ class Admission:
     def pending(self, agent: str) -> int:
         return len(self._queues[agent])
 
-    def admit(self, agent: str, active_version: int, *, force: bool = False) -> list[tuple[TrainingSample, int]]:
+    def admit(
+        self, agent: str, active_version: int, *, force: bool = False
+    ) -> list[tuple[TrainingSample, int]]:
         """Release a mini-batch of (sample, staleness) if the constraints allow, else [].
 
         Args:
@@ -104,7 +93,9 @@ class Admission:
         stats.staleness = (stats.staleness + [st for _, st in batch])[-1000:]
         return batch
 
-    def _balanced(self, fresh: list[tuple[TrainingSample, int]], size: int) -> list[tuple[TrainingSample, int]]:
+    def _balanced(
+        self, fresh: list[tuple[TrainingSample, int]], size: int
+    ) -> list[tuple[TrainingSample, int]]:
         by_kind: dict[str, deque[tuple[TrainingSample, int]]] = defaultdict(deque)
         for item in fresh:
             by_kind[_kind(item[0])].append(item)

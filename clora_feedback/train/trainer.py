@@ -31,13 +31,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field
-
+from clora_feedback.config import TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.errors import ConflictError, NotFoundError
 from clora_feedback.feedback.store import FeedbackStore, TrainingSample
 from clora_feedback.lora.weights import LoRAWeights
-from clora_feedback.train.admission import Admission, AdmissionConfig
+from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.registry import AdapterRegistry
 from clora_feedback.train.state import (
@@ -50,48 +49,6 @@ from clora_feedback.train.state import (
 from clora_feedback.train.step import AgentBatch, PGSample, SFTSample, StepResult, train_step
 
 log = logging.getLogger(__name__)
-
-
-class TrainerConfig(BaseModel):
-    """The continual trainer."""
-
-    enabled: bool = Field(True, description="Run the trainer inside `clora serve`.")
-    rank: int = Field(8, ge=1, description="LoRA rank of adapters the trainer creates.")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha of adapters the trainer creates.")
-    lr: float = Field(2e-4, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0)
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip range of the importance ratio.")
-    sft_weight: float = Field(
-        1.0, ge=0, description="Weight of the supervised loss on corrections."
-    )
-    kl_coef: float = Field(0.0, ge=0, description="KL-to-base weight (0: no reference pass).")
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
-    trigger_interval_s: float = Field(
-        60.0,
-        gt=0,
-        description="Step with whatever is waiting once this long has passed since the last step.",
-    )
-    poll_interval_s: float = Field(
-        0.5, gt=0, description="How often the loop looks for new rewards."
-    )
-    batched_agents: int = Field(
-        1, ge=1, description="Agents per forward/backward (1: serial swap steps, C-LoRA style)."
-    )
-    seed: int = 0
-
-    def loss(self) -> LossConfig:
-        return LossConfig(
-            clip_eps=self.clip_eps,
-            sft_weight=self.sft_weight,
-            kl_coef=self.kl_coef,
-            max_staleness=self.admission.max_staleness,
-        )
-
-    def adam(self) -> AdamConfig:
-        return AdamConfig(
-            lr=self.lr, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm
-        )
 
 
 @dataclass
@@ -120,6 +77,15 @@ class ContinualTrainer:
         self.registry = registry
         self.config = config
         self.admission = Admission(config.admission)
+        self._loss = LossConfig(
+            clip_eps=config.clip_eps,
+            sft_weight=config.sft_weight,
+            kl_coef=config.kl_coef,
+            max_staleness=config.admission.max_staleness,
+        )
+        self._adam = AdamConfig(
+            lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm
+        )
         self._agents = agents or feedback.agents_with_rewards
         self._base_model = base_model or engine.model_name
         self._runs: dict[str, _AgentRun] = {}
@@ -276,9 +242,7 @@ class ContinualTrainer:
             for run, (_, admitted) in zip(runs, group, strict=True)
         ]
         slots = self._slots_for([b.state for b in batches])
-        results = train_step(
-            self.engine.model, slots, batches, self.config.loss(), self.config.adam()
-        )
+        results = train_step(self.engine.model, slots, batches, self._loss, self._adam)
         published = []
         for run, (agent, admitted), result in zip(runs, group, results, strict=True):
             window = {

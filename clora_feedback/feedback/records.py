@@ -1,0 +1,238 @@
+"""Feedback events as Kafka records: the wire format both ways, and the producer.
+
+One event per record: the value is the event as UTF-8 JSON, the key is its
+agent (so one agent's feedback stays ordered within one partition), and the
+topic follows its kind (any topic accepts any kind when consuming). Records
+that cannot be applied go to the dead-letter topic with the `HEADER_*`
+headers below; `connectors/topics.json` documents the same names and a test
+keeps the two in step.
+
+- `decode_record`: a record's key and value -> a validated event, or
+  `InvalidRequestError` whose message is the dead-letter reason.
+- `FeedbackProducer`: writes events (the webhook and `FeedbackClient` use it).
+
+aiokafka errors are translated here and in `kafka` into `StoreError`
+(retriable, code `kafka_error`). Not here: consuming (`kafka`), the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from pydantic import ValidationError
+
+from clora_feedback.config import KafkaConfig
+from clora_feedback.errors import CloraError, InvalidRequestError, StoreError
+from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_event
+
+__all__ = [
+    "HEADER_REASON",
+    "HEADER_SOURCE_OFFSET",
+    "HEADER_SOURCE_PARTITION",
+    "HEADER_SOURCE_TOPIC",
+    "Delivery",
+    "FeedbackProducer",
+    "build_producer",
+    "decode_record",
+]
+
+Event = Correction | Resolution | Reward
+
+HEADER_REASON = "clora.reason"
+HEADER_SOURCE_TOPIC = "clora.source.topic"
+HEADER_SOURCE_PARTITION = "clora.source.partition"
+HEADER_SOURCE_OFFSET = "clora.source.offset"
+MAX_REASON_CHARS = 2000
+_DEFAULTS = KafkaConfig()
+
+log = logging.getLogger(__name__)
+
+
+def kafka_error(action: str, exc: BaseException) -> StoreError:
+    """The one translation of aiokafka errors: the feedback log is unavailable (retriable)."""
+    return StoreError(f"kafka {action} failed: {exc!r}", code="kafka_error")
+
+
+async def close_quietly(aw: Any) -> None:
+    """Await a client's `stop()`; closing after a failure must not hide the failure."""
+    try:
+        await aw
+    except Exception as exc:
+        log.debug("ignored while closing: %r", exc)
+
+
+# -- decoding ---------------------------------------------------------------------------
+
+
+def decode_record(
+    key: bytes | None, value: bytes | None, known_agents: Collection[str] | None = None
+) -> Event:
+    """The feedback event carried by one record.
+
+    Args:
+        key: record key; when present it must be the event's agent (UTF-8).
+        value: record value: one event as UTF-8 JSON.
+        known_agents: accepted agent names; None accepts every agent.
+
+    Raises:
+        InvalidRequestError: the record is malformed; the message is the
+            dead-letter reason and `param` names the offending part.
+    """
+    if value is None:
+        raise InvalidRequestError("empty record (no value)", param="value")
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"invalid UTF-8 in value: {exc}", param="value") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"invalid JSON: {exc}", param="value") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError(
+            f"expected one JSON object, got {type(data).__name__}", param="value"
+        )
+    try:
+        event = parse_event(data)
+    except ValidationError as exc:
+        raise InvalidRequestError(f"schema violation: {_errors_text(exc)}", param="value") from exc
+    if key is not None:
+        agent_key = key.decode("utf-8", errors="replace")
+        if agent_key != event.agent:
+            raise InvalidRequestError(
+                f"record key {agent_key!r} is not the event's agent {event.agent!r}", param="key"
+            )
+    if known_agents is not None and event.agent not in known_agents:
+        raise InvalidRequestError(f"unknown agent {event.agent!r}", param="agent")
+    return event
+
+
+def _errors_text(exc: ValidationError, most: int = 5) -> str:
+    parts = []
+    for err in exc.errors()[:most]:
+        where = ".".join(str(p) for p in err["loc"]) or "event"
+        parts.append(f"{where}: {err['msg']}")
+    more = exc.error_count() - most
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a produced event landed."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+# -- the producer -------------------------------------------------------------------------
+
+
+class FeedbackProducer:
+    """Writes feedback events to the topic of their kind, keyed by agent (acks from all replicas).
+
+    Args:
+        bootstrap_servers: `host:port[,host:port]`.
+        corrections_topic, resolutions_topic, rewards_topic: Topic per kind.
+        enable_idempotence: Broker-side dedupe of producer retries; Apache Kafka
+            supports it, the embedded Tansu does not (hence off by default;
+            consumers dedupe by `event_id` anyway).
+        client_id: Client id shown by the broker.
+        linger_ms: How long to wait to fill a batch (0 = send at once).
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        corrections_topic: str = _DEFAULTS.corrections_topic,
+        resolutions_topic: str = _DEFAULTS.resolutions_topic,
+        rewards_topic: str = _DEFAULTS.rewards_topic,
+        enable_idempotence: bool = False,
+        client_id: str = "clora-feedback",
+        linger_ms: int = 0,
+    ):
+        self.bootstrap_servers = bootstrap_servers
+        self._topics = {
+            "correction": corrections_topic,
+            "resolution": resolutions_topic,
+            "reward": rewards_topic,
+        }
+        self._args: dict[str, Any] = {
+            "enable_idempotence": enable_idempotence,
+            "client_id": client_id,
+            "linger_ms": linger_ms,
+        }
+        self._producer: Any = None
+
+    def topic_for(self, event: Event) -> str:
+        return self._topics[event.kind]
+
+    async def start(self) -> None:
+        """Connect. Raises `StoreError` when the cluster cannot be reached."""
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap_servers, acks="all", **self._args
+        )
+        try:
+            await producer.start()
+        except KafkaError as exc:
+            await close_quietly(producer.stop())
+            raise kafka_error(f"connect to {self.bootstrap_servers}", exc) from exc
+        self._producer = producer
+
+    async def stop(self) -> None:
+        """Flush pending sends and disconnect; idempotent."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await close_quietly(producer.stop())
+
+    async def __aenter__(self) -> FeedbackProducer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def send(self, event: Event) -> Delivery:
+        """Produce one event and wait for its ack. Raises `StoreError` on failure."""
+        return (await self.send_many([event]))[0]
+
+    async def send_many(self, events: Sequence[Event]) -> list[Delivery]:
+        """Produce events (pipelined) and wait for every ack, in order."""
+        if self._producer is None:
+            raise CloraError("the feedback producer is not started", code="not_started")
+        try:
+            pending = [
+                await self._producer.send(
+                    self.topic_for(e), value=e.model_dump_json().encode(), key=e.agent.encode()
+                )
+                for e in events
+            ]
+            acks = await asyncio.gather(*pending)
+        except KafkaError as exc:
+            raise kafka_error("produce", exc) from exc
+        return [Delivery(m.topic, m.partition, m.offset) for m in acks]
+
+
+def build_producer(config: KafkaConfig, bootstrap_servers: str, **options: Any) -> FeedbackProducer:
+    """A producer on the configured topics."""
+    return FeedbackProducer(
+        bootstrap_servers,
+        corrections_topic=config.corrections_topic,
+        resolutions_topic=config.resolutions_topic,
+        rewards_topic=config.rewards_topic,
+        **options,
+    )

@@ -1,0 +1,12 @@
+"""Continual training: per-agent training state, losses, admission, publishing of adapter versions.
+
+Modules: `state` (per-agent host-resident training state and the device slot),
+`forward` and `loss` (the policy-gradient and supervised objectives),
+`admission` (which rewarded samples go into a step), `trainer` (the loop),
+`versions` (adapter version value types and the `AdapterStore` Protocol),
+`artifact` (one version directory on disk), `registry` (the SQLite index of
+versions and each agent's active pointer), `guard` (automatic rollback on a
+live reward regression) and `cli` (`clora adapters ...`).
+
+Deliberately nothing is re-exported here, so importing one part never loads the others.
+"""

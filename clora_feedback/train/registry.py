@@ -1,0 +1,740 @@
+"""The adapter registry: immutable on-disk adapter versions and each agent's active pointer.
+
+Every published version of an agent's adapter is an immutable directory
+`<adapters_dir>/<agent>/<version>/` (PEFT files loadable by
+`peft.PeftModel.from_pretrained` and vLLM, optimizer state, and a manifest
+written last; see `artifact`) plus one row in a SQLite database (WAL,
+`synchronous=FULL`) that also holds each agent's active pointer, pinned flag and
+the highest version number handed out.
+
+Publishing is crash-safe: the version is written completely into a temp dir and
+renamed into place (see `artifact`), and only then its row and the active
+pointer are committed in one transaction. A version is visible (listed, loaded,
+served) only once its row is committed; a directory without a row is a crash
+leftover, deleted by `collect_garbage` (run on open) under the store lock that
+every publish holds. Version numbers are reserved (committed) before any file
+is written, so they are monotonic per agent but may skip one lost to a crash.
+One connection behind a lock serves all threads; WAL lets other processes read.
+A `.store-id` file ties the adapter tree to its database: a registry opened on
+another database's tree refuses rather than collect that tree's versions.
+
+A version's status is computed from the pointer and its rollback mark, never stored.
+
+Deliberately not here: the value types and Protocol (see `versions`), the engine
+(callers install weights themselves), HTTP (see `clora_feedback.gateway.adapters`),
+deciding when to roll back (see `guard`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
+from clora_feedback.lora.peft_io import load_peft_adapter, read_adapter_config
+from clora_feedback.lora.weights import LoRALimits, LoRAWeights
+from clora_feedback.train.artifact import (
+    OPTIMIZER_NAME,
+    VersionDirs,
+    read_manifest,
+    read_version_dir,
+    verify_version_dir,
+    write_version_dir,
+)
+from clora_feedback.train.versions import (
+    AdapterStore,
+    AgentInfo,
+    VersionInfo,
+    VersionStatus,
+    check_agent_name,
+)
+
+__all__ = ["AdapterRegistry", "AdapterStore", "AgentInfo", "VersionInfo", "VersionStatus"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS agents (
+    agent TEXT PRIMARY KEY,
+    active_version INTEGER,
+    last_version INTEGER NOT NULL DEFAULT 0,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    activated_by TEXT CHECK (activated_by IN ('publish', 'rollback')),
+    activated_at REAL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions (
+    agent TEXT NOT NULL REFERENCES agents (agent),
+    version INTEGER NOT NULL,
+    parent INTEGER,
+    step INTEGER NOT NULL,
+    base_model TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    metrics TEXT NOT NULL,
+    feedback_window TEXT,
+    has_optimizer_state INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    rolled_back_at REAL,
+    rolled_back_reason TEXT,
+    PRIMARY KEY (agent, version)
+) WITHOUT ROWID;
+"""
+_VERSION_COLUMNS = (
+    "agent, version, parent, step, base_model, content_hash, metrics, feedback_window, "
+    "has_optimizer_state, created_at, rolled_back_at, rolled_back_reason"
+)
+
+
+def _finite_metrics(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    # JSON (and so the admin API) has no NaN or infinity: a diverged loss is recorded as null.
+    out: dict[str, float | None] = {}
+    for key, value in metrics.items():
+        number = float(value)
+        out[str(key)] = number if math.isfinite(number) else None
+    return out
+
+
+def _json_object(value: Mapping[str, Any] | None, *, param: str) -> str | None:
+    if value is None:
+        return None
+    try:
+        return json.dumps(dict(value), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{param} must be JSON-serialisable: {exc}", param=param) from exc
+
+
+def _status(version: int, rolled_back_at: float | None, active: int | None) -> VersionStatus:
+    if version == active:
+        return "active"
+    if rolled_back_at is not None:
+        return "rolled_back"
+    if active is not None and version < active:
+        return "superseded"
+    return "staged"
+
+
+def _version_not_found(agent: str, version: int, *, param: str = "version") -> NotFoundError:
+    return NotFoundError(
+        f"agent {agent!r} has no adapter version {version}", param=param, code="version_not_found"
+    )
+
+
+class AdapterRegistry:
+    """Versions of every agent's adapter on disk, indexed by SQLite. Thread-safe.
+
+    Methods block on disk (publish and load fsync or hash files): call them off
+    the event loop (`asyncio.to_thread`).
+
+    Args:
+        root: the adapter store root (`Settings.adapters_dir`); created if missing.
+        db_path: the registry database (default `<root>/registry.db`; the gateway
+            should pass `Settings.data_dir / "registry.db"`).
+        collect_on_open: delete crash leftovers (temp dirs, uncommitted versions) now.
+
+    Raises:
+        StoreError: the database cannot be opened, was written by a newer schema,
+            or `root` belongs to another registry database.
+    """
+
+    def __init__(
+        self, root: Path, db_path: Path | None = None, *, collect_on_open: bool = True
+    ) -> None:
+        self.root = Path(root)
+        self.db_path = Path(db_path) if db_path is not None else self.root / "registry.db"
+        self._lock = threading.RLock()  # guards the connection
+        with self._translate("open"):
+            self._dirs = VersionDirs(self.root)
+            self.db_path.parent.mkdir(parents=True, exist_ok=True)
+            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
+            self._conn = sqlite3.connect(
+                self.db_path, check_same_thread=False, isolation_level=None, timeout=10.0
+            )
+        try:
+            self._init_db()
+            self._claim_root()
+            if collect_on_open:
+                self.collect_garbage()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> AdapterRegistry:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _init_db(self) -> None:
+        with self._translate("open"):
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreError(f"{self.db_path}: could not enable WAL mode (got {mode!r})")
+            # FULL: publishes are rare and the active pointer must survive power loss too.
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+        with self._transaction("open") as conn:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+            if row[0] is None:
+                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            elif row[0] > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.db_path}: schema version {row[0]} is newer than this code "
+                    f"({SCHEMA_VERSION}); upgrade clora-feedback"
+                )
+
+    def _claim_root(self) -> None:
+        """Tie `root` to this database, so garbage collection never deletes another's versions."""
+        with self._dirs.lock(), self._transaction("open") as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'store_id'").fetchone()
+            known, on_disk = (row[0] if row else None), self._dirs.store_id()
+            if known is not None and on_disk is not None and known != on_disk:
+                raise StoreError(
+                    f"{self.root} belongs to another adapter registry (store id {on_disk}; "
+                    f"{self.db_path} has {known}): point adapters_dir and the registry "
+                    "database at the same store"
+                )
+            if (known is None or on_disk is None) and self._dirs.has_versions():
+                raise StoreError(
+                    f"{self.root} holds version directories that {self.db_path} does not "
+                    "index; refusing to adopt (or garbage-collect) them"
+                )
+            store_id = known or on_disk or uuid.uuid4().hex
+            if known is None:
+                conn.execute("INSERT INTO meta (key, value) VALUES ('store_id', ?)", (store_id,))
+            if on_disk != store_id:
+                self._dirs.set_store_id(store_id)
+
+    @contextlib.contextmanager
+    def _translate(self, action: str) -> Iterator[None]:
+        """Translate sqlite3 and OS errors once, at this boundary, into `StoreError`."""
+        try:
+            yield
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(f"adapter registry {action} failed ({self.root}): {exc}") from exc
+
+    @contextlib.contextmanager
+    def _transaction(self, action: str) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._translate(action):
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    @contextlib.contextmanager
+    def _read(self, action: str = "read") -> Iterator[sqlite3.Connection]:
+        with self._lock, self._translate(action):
+            yield self._conn
+
+    @staticmethod
+    def _agent_row(conn: sqlite3.Connection, agent: str) -> tuple[Any, ...] | None:
+        """(agent, active_version, last_version, pinned, activated_by, activated_at) or None."""
+        row: tuple[Any, ...] | None = conn.execute(
+            "SELECT agent, active_version, last_version, pinned, activated_by, activated_at "
+            "FROM agents WHERE agent = ?",
+            (agent,),
+        ).fetchone()
+        return row
+
+    def _require_agent(self, conn: sqlite3.Connection, agent: str) -> tuple[Any, ...]:
+        row = self._agent_row(conn, agent)
+        if row is None:
+            raise NotFoundError(
+                f"no adapter versions for agent {agent!r}", param="agent", code="agent_not_found"
+            )
+        return row
+
+    @staticmethod
+    def _version_row(conn: sqlite3.Connection, agent: str, version: int) -> tuple[Any, ...] | None:
+        row: tuple[Any, ...] | None = conn.execute(
+            f"SELECT {_VERSION_COLUMNS} FROM versions WHERE agent = ? AND version = ?",
+            (agent, version),
+        ).fetchone()
+        return row
+
+    def _to_info(self, row: tuple[Any, ...], active: int | None) -> VersionInfo:
+        agent, version, parent, step, base_model, digest, metrics, window = row[:8]
+        has_optimizer_state, created_at, rolled_back_at, reason = row[8:]
+        return VersionInfo(
+            agent=agent,
+            version=version,
+            parent=parent,
+            step=step,
+            status=_status(version, rolled_back_at, active),
+            created_at=created_at,
+            metrics=json.loads(metrics),
+            feedback_window=None if window is None else json.loads(window),
+            content_hash=digest,
+            base_model=base_model,
+            path=self._dirs.path(agent, version),
+            has_optimizer_state=bool(has_optimizer_state),
+            rolled_back_at=rolled_back_at,
+            rolled_back_reason=reason,
+        )
+
+    # -- publishing ---------------------------------------------------------------
+
+    def next_version(self, agent: str) -> int:
+        """Reserve and return a version number above every one handed out for `agent`.
+
+        Also fits the gateway's `VersionSource`: an adapter loaded at runtime then
+        gets a number no published version will ever take.
+        """
+        check_agent_name(agent)
+        with self._transaction("reserve") as conn:
+            row = self._agent_row(conn, agent)
+            if row is None:
+                conn.execute(
+                    "INSERT INTO agents (agent, last_version, created_at) VALUES (?, 1, ?)",
+                    (agent, time.time()),
+                )
+                return 1
+            version = int(row[2]) + 1
+            conn.execute("UPDATE agents SET last_version = ? WHERE agent = ?", (version, agent))
+            return version
+
+    def publish(
+        self,
+        agent: str,
+        weights: LoRAWeights,
+        *,
+        optimizer_state: Mapping[str, torch.Tensor] | None,
+        base_model: str,
+        parent: int | None,
+        step: int,
+        metrics: Mapping[str, float],
+        feedback_window: Mapping[str, Any] | None,
+        activate: bool = True,
+    ) -> VersionInfo:
+        """Write a new immutable version and (by default) make it the active one.
+
+        Args:
+            agent: the agent.
+            weights: the adapter; A [r, in] and B [out, r] per projection, saved as fp32.
+            optimizer_state: tensors to resume training from (e.g. Adam moments [P], step [1]).
+            base_model: base model name or path, recorded as `base_model_name_or_path`.
+            parent: version trained from. With `activate` it must be the active version
+                (None when the agent has none), so a step computed before a rollback
+                can never undo the rollback.
+            step: the agent's optimizer step count.
+            metrics: loss and reward statistics of the step.
+            feedback_window: which feedback trained this version (a JSON object).
+            activate: move the active pointer to the new version in the same transaction.
+
+        Returns:
+            The committed version.
+
+        Raises:
+            ConflictError: the agent is pinned (`agent_pinned`) or, with `activate`,
+                `parent` is not the active version (`parent_not_active`).
+            NotFoundError: `parent` is not a published version of `agent`.
+            InvalidRequestError: bad agent name, negative step, non-JSON feedback window.
+            StoreError: writing the files or the database failed (nothing became visible).
+        """
+        return self._publish(
+            agent,
+            weights,
+            optimizer_state=optimizer_state,
+            base_model=base_model,
+            meta={"parent": parent, "step": step, "source": None},
+            metrics=metrics,
+            feedback_window=feedback_window,
+            activate=activate,
+        )
+
+    def register_initial(
+        self,
+        agent: str,
+        path: Path,
+        *,
+        base_model: str | None = None,
+        limits: LoRALimits | None = None,
+    ) -> VersionInfo:
+        """Import an agent's initial PEFT adapter as its first version (normally 1).
+
+        Idempotent: when the agent already has versions nothing is imported and its
+        active version is returned, so a restart keeps serving what training produced.
+
+        Args:
+            agent: the agent.
+            path: a PEFT LoRA directory (validated, then re-written in canonical form).
+            base_model: recorded base model; default: the adapter's `base_model_name_or_path`.
+            limits: engine limits to validate against before the tensors are read.
+
+        Raises:
+            AdapterError: the directory is not a valid adapter or exceeds `limits`.
+            ConflictError: the agent has versions but none is active.
+        """
+        check_agent_name(agent)
+        with self._read() as conn:
+            has_versions = conn.execute(
+                "SELECT 1 FROM versions WHERE agent = ? LIMIT 1", (agent,)
+            ).fetchone()
+        if has_versions:
+            current = self.active(agent)
+            if current is None:
+                raise ConflictError(
+                    f"agent {agent!r} has versions but none is active", code="no_active_version"
+                )
+            return current
+        config = read_adapter_config(Path(path))
+        weights = load_peft_adapter(Path(path), limits=limits)
+        return self._publish(
+            agent,
+            weights,
+            optimizer_state=None,
+            base_model=base_model or str(config.get("base_model_name_or_path") or ""),
+            meta={"parent": None, "step": 0, "source": str(Path(path).resolve())},
+            metrics={},
+            feedback_window=None,
+            activate=True,
+        )
+
+    def _publish(
+        self,
+        agent: str,
+        weights: LoRAWeights,
+        *,
+        optimizer_state: Mapping[str, torch.Tensor] | None,
+        base_model: str,
+        meta: dict[str, Any],
+        metrics: Mapping[str, float],
+        feedback_window: Mapping[str, Any] | None,
+        activate: bool,
+    ) -> VersionInfo:
+        check_agent_name(agent)
+        parent, step = meta["parent"], meta["step"]
+        if step < 0:
+            raise InvalidRequestError(f"step must be >= 0, got {step}", param="step")
+        window = _json_object(feedback_window, param="feedback_window")
+        meta = {
+            "agent": agent,
+            **meta,
+            "metrics": _finite_metrics(metrics),
+            "feedback_window": None if window is None else json.loads(window),
+        }
+        with self._dirs.lock():
+            # Checked before writing (a cheap failure) and again in the commit (the truth).
+            with self._read("publish") as conn:
+                self._check_publishable(conn, agent, parent, activate)
+            version = meta["version"] = self.next_version(agent)
+            with self._translate("publish"):
+                manifest = self._dirs.place(
+                    agent,
+                    version,
+                    lambda tmp: write_version_dir(
+                        tmp,
+                        weights,
+                        optimizer_state=optimizer_state,
+                        base_model=base_model,
+                        meta=meta,
+                    ),
+                )
+            try:
+                self._commit_publish(manifest, window, activate)
+            except BaseException:
+                self._dirs.remove(agent, version)
+                raise
+        log.info(
+            "agent %s: published version %d (parent %s, step %d)", agent, version, parent, step
+        )
+        return self.get(agent, version)
+
+    def _check_publishable(
+        self, conn: sqlite3.Connection, agent: str, parent: int | None, activate: bool
+    ) -> None:
+        row = self._agent_row(conn, agent)
+        active = None if row is None else row[1]
+        if row is not None and row[3]:
+            raise ConflictError(
+                f"agent {agent!r} is pinned: training is frozen until it is unpinned",
+                code="agent_pinned",
+            )
+        if parent is not None and self._version_row(conn, agent, parent) is None:
+            raise _version_not_found(agent, parent, param="parent")
+        if activate and parent != active:
+            raise ConflictError(
+                f"agent {agent!r}: parent version {parent} is not the active version {active} "
+                "(rolled back meanwhile?); reload the active version and train from it",
+                code="parent_not_active",
+            )
+
+    def _commit_publish(self, manifest: dict[str, Any], window: str | None, activate: bool) -> None:
+        """Insert the version row and move the active pointer, in one transaction."""
+        agent, version = manifest["agent"], manifest["version"]
+        with self._transaction("publish") as conn:
+            self._check_publishable(conn, agent, manifest["parent"], activate)
+            conn.execute(
+                f"INSERT INTO versions ({_VERSION_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
+                (
+                    agent,
+                    version,
+                    manifest["parent"],
+                    manifest["step"],
+                    manifest["base_model"],
+                    manifest["content_hash"],
+                    json.dumps(manifest["metrics"], sort_keys=True),
+                    window,
+                    int(OPTIMIZER_NAME in manifest["files"]),
+                    manifest["created_at"],
+                ),
+            )
+            if activate:
+                conn.execute(
+                    "UPDATE agents SET active_version = ?, activated_by = 'publish', "
+                    "activated_at = ? WHERE agent = ?",
+                    (version, time.time(), agent),
+                )
+
+    def collect_garbage(self) -> list[Path]:
+        """Delete crash leftovers: temp dirs and version dirs with no committed row.
+
+        Safe while other processes publish (it takes the same store lock). Runs on open.
+
+        Returns:
+            The directories removed.
+        """
+        with self._dirs.lock():
+            with self._read("collect") as conn:
+                known = set(conn.execute("SELECT agent, version FROM versions").fetchall())
+            with self._translate("collect"):
+                removed = self._dirs.collect(known)
+        for path in removed:
+            log.warning("adapter registry: removed incomplete version directory %s", path)
+        return removed
+
+    # -- reading ------------------------------------------------------------------
+
+    def agent(self, agent: str) -> AgentInfo:
+        """One agent's summary.
+
+        Raises:
+            NotFoundError: the registry has never seen `agent`.
+        """
+        with self._read() as conn:
+            row = self._require_agent(conn, agent)
+            count, latest = conn.execute(
+                "SELECT count(*), max(version) FROM versions WHERE agent = ?", (agent,)
+            ).fetchone()
+        return AgentInfo(
+            agent=row[0],
+            active_version=row[1],
+            pinned=bool(row[3]),
+            num_versions=count,
+            latest_version=latest,
+            activated_by=row[4],
+            activated_at=row[5],
+        )
+
+    def agents(self) -> list[AgentInfo]:
+        """Every agent the registry knows, by name."""
+        with self._read() as conn:
+            names = [r[0] for r in conn.execute("SELECT agent FROM agents ORDER BY agent")]
+        return [self.agent(name) for name in names]
+
+    def active(self, agent: str) -> VersionInfo | None:
+        """The active version of `agent`; None when it has none (or is unknown)."""
+        with self._read() as conn:
+            row = self._agent_row(conn, agent)
+            if row is None or row[1] is None:
+                return None
+            version_row = self._version_row(conn, agent, row[1])
+        return None if version_row is None else self._to_info(version_row, row[1])
+
+    def get(self, agent: str, version: int) -> VersionInfo:
+        """One version.
+
+        Raises:
+            NotFoundError: unknown agent (`agent_not_found`) or version (`version_not_found`).
+        """
+        with self._read() as conn:
+            row = self._require_agent(conn, agent)
+            version_row = self._version_row(conn, agent, version)
+        if version_row is None:
+            raise _version_not_found(agent, version)
+        return self._to_info(version_row, row[1])
+
+    def versions(self, agent: str) -> list[VersionInfo]:
+        """All published versions of `agent`, oldest first.
+
+        Raises:
+            NotFoundError: unknown agent.
+        """
+        with self._read() as conn:
+            row = self._require_agent(conn, agent)
+            rows = conn.execute(
+                f"SELECT {_VERSION_COLUMNS} FROM versions WHERE agent = ? ORDER BY version",
+                (agent,),
+            ).fetchall()
+        return [self._to_info(r, row[1]) for r in rows]
+
+    def manifest(self, agent: str, version: int) -> dict[str, Any]:
+        """The version's `manifest.json`.
+
+        Raises:
+            NotFoundError: unknown agent or version.
+            StoreError: the manifest is missing or unreadable.
+        """
+        return read_manifest(self.get(agent, version).path)
+
+    def verify(self, agent: str, version: int) -> VersionInfo:
+        """Recompute the version's content hash and compare it with the registry's.
+
+        Raises:
+            NotFoundError: unknown agent or version.
+            StoreError: a file is missing or changed (`content_hash_mismatch`).
+        """
+        info = self.get(agent, version)
+        verify_version_dir(
+            info.path, info.content_hash, has_optimizer_state=info.has_optimizer_state
+        )
+        return info
+
+    def load(
+        self, agent: str, version: int, *, limits: LoRALimits | None = None
+    ) -> tuple[LoRAWeights, dict[str, torch.Tensor] | None]:
+        """Read a version's weights and optimizer state, after verifying its content hash.
+
+        Args:
+            agent: the agent.
+            version: the version.
+            limits: engine limits to validate the adapter against.
+
+        Returns:
+            (fp32 weights, optimizer tensors or None when the version has none).
+
+        Raises:
+            NotFoundError: unknown agent or version.
+            StoreError: files missing or corrupted (hash mismatch).
+            AdapterError: the adapter does not fit `limits`.
+        """
+        info = self.verify(agent, version)
+        return read_version_dir(
+            info.path, has_optimizer_state=info.has_optimizer_state, limits=limits
+        )
+
+    def is_pinned(self, agent: str) -> bool:
+        """Whether training of `agent` is frozen (False for an agent the registry never saw)."""
+        with self._read() as conn:
+            row = self._agent_row(conn, agent)
+        return bool(row is not None and row[3])
+
+    # -- moving the pointer, pinning --------------------------------------------------
+
+    def rollback(
+        self, agent: str, version: int, *, reason: str, expected_active: int | None = None
+    ) -> VersionInfo:
+        """Make `version` active again; every later version is kept and marked rolled back.
+
+        Rolling "back" to a later, rolled-back version is allowed (it undoes a mistaken
+        rollback): its own mark is cleared, the marks of others stay.
+
+        Args:
+            agent: the agent.
+            version: the version to activate.
+            reason: why (recorded on every version it marks).
+            expected_active: refuse unless this is still the active version (compare-and-set
+                for automatic rollbacks decided on a snapshot).
+
+        Returns:
+            The now-active version.
+
+        Raises:
+            NotFoundError: unknown agent or version.
+            ConflictError: `version` is already active (`already_active`), or the active
+                version is not `expected_active` (`active_changed`).
+            InvalidRequestError: empty reason.
+        """
+        if not reason.strip():
+            raise InvalidRequestError("a rollback needs a reason", param="reason")
+        now = time.time()
+        with self._transaction("rollback") as conn:
+            active = self._require_agent(conn, agent)[1]
+            if self._version_row(conn, agent, version) is None:
+                raise _version_not_found(agent, version)
+            if expected_active is not None and active != expected_active:
+                raise ConflictError(
+                    f"agent {agent!r}: the active version is {active}, not {expected_active}",
+                    code="active_changed",
+                )
+            if version == active:
+                raise ConflictError(
+                    f"version {version} is already the active version of agent {agent!r}",
+                    param="version",
+                    code="already_active",
+                )
+            conn.execute(
+                "UPDATE versions SET rolled_back_at = ?, rolled_back_reason = ? "
+                "WHERE agent = ? AND version > ? AND rolled_back_at IS NULL",
+                (now, reason, agent, version),
+            )
+            conn.execute(
+                "UPDATE versions SET rolled_back_at = NULL, rolled_back_reason = NULL "
+                "WHERE agent = ? AND version = ?",
+                (agent, version),
+            )
+            conn.execute(
+                "UPDATE agents SET active_version = ?, activated_by = 'rollback', activated_at = ? "
+                "WHERE agent = ?",
+                (version, now, agent),
+            )
+        log.warning(
+            "agent %s: rolled back from version %s to %d: %s", agent, active, version, reason
+        )
+        return self.get(agent, version)
+
+    def pin(self, agent: str) -> AgentInfo:
+        """Freeze training of `agent` (idempotent): `publish` refuses until `unpin`.
+
+        Raises:
+            NotFoundError: unknown agent.
+        """
+        return self._set_pinned(agent, True)
+
+    def unpin(self, agent: str) -> AgentInfo:
+        """Let training of `agent` publish again (idempotent).
+
+        Raises:
+            NotFoundError: unknown agent.
+        """
+        return self._set_pinned(agent, False)
+
+    def _set_pinned(self, agent: str, pinned: bool) -> AgentInfo:
+        with self._transaction("pin") as conn:
+            self._require_agent(conn, agent)
+            conn.execute("UPDATE agents SET pinned = ? WHERE agent = ?", (int(pinned), agent))
+        return self.agent(agent)

@@ -1,0 +1,155 @@
+"""The vocabulary of adapter versions: value types and the `AdapterStore` Protocol.
+
+The trainer, the regression guard and the gateway's admin routes depend on
+these names only; `clora_feedback.train.registry.AdapterRegistry` is the
+implementation (SQLite index + version directories), and re-exports them.
+
+Status of a version: `active` (the agent's active pointer), `rolled_back`
+(marked by a rollback past it, with the reason), `superseded` (older than the
+active one) or `staged` (published with `activate=False`, never activated).
+
+Not here: any I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from clora_feedback.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    from clora_feedback.lora.weights import LoRALimits, LoRAWeights
+
+AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+"""Valid agent names: the pattern of `AgentConfig.name`, checked again because names become paths."""
+VersionStatus = Literal["active", "superseded", "rolled_back", "staged"]
+Activation = Literal["publish", "rollback"]
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One published adapter version, as the registry records it."""
+
+    agent: str
+    """The agent this adapter serves."""
+    version: int
+    """Version number: monotonic per agent, never reused (0 is the base model, never stored)."""
+    parent: int | None
+    """Version this one was trained from; None for an initial adapter."""
+    step: int
+    """The agent's optimizer step count when this version was published."""
+    status: VersionStatus
+    """`active`, `superseded`, `rolled_back` or `staged` (see the module docstring)."""
+    created_at: float
+    """Publish time, seconds since the epoch."""
+    metrics: Mapping[str, float | None]
+    """Loss and reward statistics of the step that produced it (non-finite values become None)."""
+    feedback_window: Mapping[str, Any] | None
+    """Which feedback trained it (e.g. reward sequence range, sample count), as the trainer gave it."""
+    content_hash: str
+    """sha256 over the sha256 sums of the PEFT and optimizer files (see `artifact.content_hash`)."""
+    base_model: str
+    """Base model the adapter was trained on (`base_model_name_or_path` in its PEFT config)."""
+    path: Path
+    """The version's directory: a PEFT adapter directory plus optimizer state and manifest."""
+    has_optimizer_state: bool
+    """Whether `optimizer.safetensors` is present (initial adapters have none)."""
+    rolled_back_at: float | None = None
+    """When a rollback marked this version, if one did."""
+    rolled_back_reason: str | None = None
+    """Why it was rolled back (operator text or the regression guard's statistics)."""
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """One agent known to the registry (it has published or reserved a version number)."""
+
+    agent: str
+    """The agent name."""
+    active_version: int | None
+    """The version served and trained from; None until one is activated."""
+    pinned: bool
+    """Training is frozen: `publish` refuses new versions while set."""
+    num_versions: int
+    """How many versions are published (any status)."""
+    latest_version: int | None
+    """The highest published version number, or None."""
+    activated_by: Activation | None
+    """How the active version became active: `publish` or `rollback` (the guard judges only
+    published ones)."""
+    activated_at: float | None
+    """When the active pointer last moved, seconds since the epoch."""
+
+
+class AdapterStore(Protocol):
+    """The seam the trainer, the regression guard and the gateway depend on.
+
+    `AdapterRegistry` documents each method.
+    """
+
+    def publish(
+        self,
+        agent: str,
+        weights: LoRAWeights,
+        *,
+        optimizer_state: Mapping[str, torch.Tensor] | None,
+        base_model: str,
+        parent: int | None,
+        step: int,
+        metrics: Mapping[str, float],
+        feedback_window: Mapping[str, Any] | None,
+        activate: bool = True,
+    ) -> VersionInfo: ...
+
+    def register_initial(
+        self,
+        agent: str,
+        path: Path,
+        *,
+        base_model: str | None = None,
+        limits: LoRALimits | None = None,
+    ) -> VersionInfo: ...
+
+    def next_version(self, agent: str) -> int: ...
+
+    def active(self, agent: str) -> VersionInfo | None: ...
+
+    def get(self, agent: str, version: int) -> VersionInfo: ...
+
+    def versions(self, agent: str) -> list[VersionInfo]: ...
+
+    def agent(self, agent: str) -> AgentInfo: ...
+
+    def agents(self) -> list[AgentInfo]: ...
+
+    def manifest(self, agent: str, version: int) -> dict[str, Any]: ...
+
+    def load(
+        self, agent: str, version: int, *, limits: LoRALimits | None = None
+    ) -> tuple[LoRAWeights, dict[str, torch.Tensor] | None]: ...
+
+    def rollback(
+        self, agent: str, version: int, *, reason: str, expected_active: int | None = None
+    ) -> VersionInfo: ...
+
+    def pin(self, agent: str) -> AgentInfo: ...
+
+    def unpin(self, agent: str) -> AgentInfo: ...
+
+    def is_pinned(self, agent: str) -> bool: ...
+
+
+def check_agent_name(agent: str) -> None:
+    """Raise `InvalidRequestError` unless `agent` is a valid agent name (it becomes a path)."""
+    if not isinstance(agent, str) or not AGENT_NAME.match(agent):
+        raise InvalidRequestError(
+            f"invalid agent name {agent!r}: 1-128 letters, digits or ._:- "
+            "starting with a letter or digit",
+            param="agent",
+        )
