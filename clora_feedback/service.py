@@ -7,9 +7,11 @@
 
 Kafka: with `feedback.kafka.bootstrap_servers` set, the gateway produces
 webhook events to the topics and a consumer group applies them, so every
-piece of feedback flows through the log; with none, the embedded default
-starts a local Tansu broker (unless `embedded_broker` is false, in which
-case webhook events go straight to the store and no consumer runs).
+piece of feedback flows through the log. With none, the embedded default
+starts a local Tansu broker for outside producers (unless `embedded_broker`
+is false) and the webhook writes straight to the SQLite store: this Tansu
+build keeps its log in memory only, so an event acknowledged through it
+could be lost with the process, while the store's commit is durable.
 
 Versions: a configured agent's `adapter_path` is imported once as its
 version 1; after that (and after every restart) the engine serves each
@@ -118,12 +120,19 @@ class FeedbackPipeline:
         kafka = self.settings.feedback.kafka
         return kafka.bootstrap_servers is not None or kafka.embedded_broker
 
+    @property
+    def durable_log(self) -> bool:
+        """Whether producing to the log is as durable as writing the store (a real cluster)."""
+        return self.settings.feedback.kafka.bootstrap_servers is not None
+
     async def start(self) -> None:
         kafka = self.settings.feedback.kafka
         bootstrap = kafka.bootstrap_servers
         if bootstrap is None:
             broker = LocalBroker(
-                self.settings.data_dir / "kafka", topics=(*kafka.topics, kafka.dead_letter_topic)
+                self.settings.data_dir / "kafka",
+                topics=(*kafka.topics, kafka.dead_letter_topic),
+                partitions=3,
             )
             await broker.astart()
             self.broker = broker
@@ -218,7 +227,7 @@ def build_service(settings: Settings) -> FastAPI:
             )
         )
     routers = [
-        build_feedback_router(feedback, settings, pipeline if pipeline.enabled else None),
+        build_feedback_router(feedback, settings, pipeline if pipeline.durable_log else None),
         build_adapters_router(registry, trainer.activate_async),
     ]
     app = create_app(serving, engine, store, agents=agents, routers=routers, components=components)

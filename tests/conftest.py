@@ -70,7 +70,6 @@ def run_gateway(
     **settings: Any,
 ) -> Iterator[GatewayServer]:
     """Start a gateway over `model_dir` with `Settings(**settings)`; stop it on exit."""
-    import uvicorn
 
     from clora_feedback.engine.embedded import EmbeddedEngine
     from clora_feedback.gateway.app import create_app

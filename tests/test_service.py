@@ -1,47 +1,81 @@
 """The whole loop in one process, as `clora serve` wires it: serve, capture, listen, learn, version.
 
 A real uvicorn gateway built by `build_service` on the tiny model, a real Tansu
-broker started by the service itself, the official `openai` client, feedback
-through the webhook (produced to Kafka, consumed, joined), the trainer
+broker, the official `openai` client, feedback through the webhook (with a
+cluster configured: produced to Kafka, consumed, joined; with the embedded,
+memory-only broker: written straight to the durable store), the trainer
 publishing a version that the next completion is served by, and the admin
-routes listing and rolling it back.
+routes listing it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from conftest import serve_app
 
 from clora_feedback.client import FeedbackClient
-from clora_feedback.config import AgentConfig, EngineConfig, Settings, TrainerConfig
+from clora_feedback.config import (
+    AgentConfig,
+    EngineConfig,
+    FeedbackConfig,
+    KafkaConfig,
+    Settings,
+    TrainerConfig,
+)
+from clora_feedback.feedback.broker import LocalBroker
 from clora_feedback.service import build_service
 
 
-def _wait(predicate, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
 
 
-@pytest.mark.slow
-def test_feedback_through_kafka_trains_a_version_that_serves_next(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    settings = Settings(
+def _settings(model_dir: Path, tmp_path: Path, bootstrap: str | None) -> Settings:
+    return Settings(
         data_dir=tmp_path / "var",
         adapters_dir=tmp_path / "adapters",
         engine=EngineConfig(
-            model=str(tiny_model_dir), max_model_len=1024, num_threads=1, max_num_seqs=4
+            model=str(model_dir), max_model_len=1024, num_threads=1, max_num_seqs=4
         ),
         agents=[AgentConfig(name="support")],
+        feedback=FeedbackConfig(kafka=KafkaConfig(bootstrap_servers=bootstrap)),
         trainer=TrainerConfig(admission={"min_batch": 3}, poll_interval_s=0.1, lr=1e-2),  # type: ignore[arg-type]
     )
-    app = build_service(settings)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", [True, False], ids=["kafka-cluster", "embedded-broker"])
+def test_feedback_trains_a_version_that_serves_next(
+    tiny_model_dir: Path, tmp_path: Path, cluster: bool
+) -> None:
+    kafka = KafkaConfig()
+    broker = (
+        LocalBroker(tmp_path / "tansu", topics=[*kafka.topics, kafka.dead_letter_topic])
+        if cluster
+        else None
+    )
+    if broker is not None:
+        broker.start()
+    try:
+        app = build_service(
+            _settings(tiny_model_dir, tmp_path, broker.bootstrap if broker else None)
+        )
+        _exercise(app, cluster)
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+def _exercise(app: Any, cluster: bool) -> None:
     with serve_app(app, None) as gw:
         client = gw.openai()
         ids = []
@@ -51,11 +85,11 @@ def test_feedback_through_kafka_trains_a_version_that_serves_next(
             )
             assert (
                 reply.model_extra["clora"]["adapter_version"] == 0
-            )  # no trained version yet: the base model
+            )  # nothing trained yet: the base model
             ids.append(reply.id)
         with FeedbackClient(gw.url) as feedback:
             receipt = feedback.resolution("support", "resolved", completion_id=ids[0])
-            assert receipt.delivery == "kafka"
+            assert receipt.delivery == ("kafka" if cluster else "store")
             feedback.resolution("support", "escalated", completion_id=ids[1])
             feedback.reward("support", 0.5, completion_id=ids[2])
         store = app.state.feedback
@@ -63,7 +97,7 @@ def test_feedback_through_kafka_trains_a_version_that_serves_next(
         assert [store.rewards_for(i)[0]["value"] for i in ids] == [1.0, 0.0, 0.5]
 
         registry = app.state.registry
-        _wait(lambda: registry.active("support") is not None if registry.agents() else False)
+        _wait(lambda: any(a.active_version == 1 for a in registry.agents()))
         reply = client.chat.completions.create(
             model="support", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )

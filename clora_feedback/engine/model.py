@@ -195,29 +195,34 @@ class DenseKernels:
     ) -> DenseKernels:
         """Pick the kernel for these weights' dtype and device.
 
-        `packed` (bf16 on CPU with oneDNN) pre-packs each weight once into
-        oneDNN's blocked layout; otherwise `linear` calls `F.linear` on the
-        plain weights. The chosen kernel is checked against `F.linear` on
-        the first weight, falling back to `linear` on any disagreement.
+        - `packed` (bf16 on CPU with oneDNN): each weight pre-packed once into
+          oneDNN's blocked layout (a second copy); ~1.5x faster than `F.linear`.
+        - `blocked` (fp32 on CPU): no copy; for 4..15 rows the product runs as
+          one batched matmul over 64-row blocks of W, which MKL streams ~1.5x
+          (lm_head ~2.4x) faster than its small-M GEMM; other sizes use `F.linear`.
+        - `linear`: `F.linear` on the plain weights (CUDA, other dtypes).
+
+        A non-plain kernel is checked against `F.linear` on the first weight and
+        replaced by `linear` if it disagrees or fails.
         """
         if kernel == "auto":
-            kernel = "packed" if _packed_supported(lm_head) else "linear"
-        if kernel == "packed":
-            try:
-                packed = cls(
-                    [{g: _packed(w) for g, w in _dense_items(layer)} for layer in layers],
-                    _packed(lm_head),
-                    "packed",
-                )
-                if _agrees(packed.layers[0]["qkv"], layers[0]["qkv"]):
-                    return packed
-            except RuntimeError:
-                pass
-        return cls(
-            [{g: _plain(w) for g, w in _dense_items(layer)} for layer in layers],
-            _plain(lm_head),
-            "linear",
-        )
+            kernel = "linear"
+            if lm_head.device.type == "cpu" and lm_head.dtype == torch.float32:
+                kernel = "blocked"
+            elif _packed_supported(lm_head):
+                kernel = "packed"
+        make = {"packed": _packed, "blocked": _blocked, "linear": _plain}[kernel]
+        try:
+            built = cls(
+                [{g: make(w) for g, w in _dense_items(layer)} for layer in layers],
+                make(lm_head),
+                kernel,
+            )
+            if kernel == "linear" or _agrees(built.layers[0]["qkv"], layers[0]["qkv"]):
+                return built
+        except RuntimeError:
+            pass
+        return cls.build(layers, lm_head, "linear")
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -229,6 +234,27 @@ def _dense_items(layer: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor
 
 def _plain(w: torch.Tensor) -> Linear:
     return functools.partial(F.linear, weight=w)
+
+
+_BLOCK_ROWS = 64
+_BLOCKED_BATCH = range(4, 16)  # where MKL's own small-M GEMM is slowest (measured)
+
+
+def _blocked(w: torch.Tensor) -> Linear:
+    out, fan_in = w.shape
+    if out % _BLOCK_ROWS:
+        return _plain(w)
+    blocks = w.view(out // _BLOCK_ROWS, _BLOCK_ROWS, fan_in).transpose(1, 2)  # [C, in, 64]
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if x.dim() != 2 or n not in _BLOCKED_BATCH:
+            return F.linear(x, w)
+        # [C, n, in] (a stride-0 view) @ [C, in, 64] -> [C, n, 64] -> [n, out]
+        y = torch.bmm(x.expand(blocks.shape[0], n, fan_in), blocks)
+        return y.transpose(0, 1).reshape(n, out)
+
+    return linear
 
 
 def _packed_supported(w: torch.Tensor) -> bool:
@@ -251,7 +277,7 @@ def _packed(w: torch.Tensor) -> Linear:
 
 
 def _agrees(kernel: Linear, w: torch.Tensor) -> bool:
-    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
     with torch.inference_mode():
         want = F.linear(x.float(), w.float())
         got = kernel(x).float()
