@@ -1,0 +1,57 @@
+"""Child process for tests/test_trainer_crash.py: train until a planned SIGKILL.
+
+Usage: python crash_trainer_child.py ROOT MODEL_DIR {step|publish|serve-swap}
+
+`step` kills the process inside the optimizer step (after forward/backward);
+`publish` kills it while the version directory is being written (after the
+weights file is fsynced, before the manifest and the rename).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import clora_feedback.train.artifact as artifact
+import clora_feedback.train.step as step_module
+from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
+from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.store import FeedbackStore
+from clora_feedback.train.registry import AdapterRegistry
+from clora_feedback.train.trainer import ContinualTrainer
+
+
+def main() -> None:
+    root, model_dir, where = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    engine = EmbeddedEngine(model_dir, EngineConfig(max_num_seqs=2, max_loras=2, max_model_len=256))
+    feedback = FeedbackStore(root / "t.db", RewardPolicy(FeedbackConfig()))
+    registry = AdapterRegistry(root / "adapters", root / "registry.db")
+    config = TrainerConfig(admission=AdmissionConfig(min_batch=2, max_batch=4), lr=1e-2)
+    trainer = ContinualTrainer(engine, feedback, registry, config)
+
+    def die(*_: object, **__: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "step":
+        step_module.adam_step = die  # type: ignore[assignment]
+    elif where == "publish":
+        real_fsync = artifact.fsync_path
+        calls = {"n": 0}
+
+        def fsync_then_die(path: Path) -> None:
+            real_fsync(path)
+            calls["n"] += 1
+            if Path(path).name == artifact.OPTIMIZER_NAME:
+                die()
+
+        artifact.fsync_path = fsync_then_die  # type: ignore[assignment]
+    print("ready", flush=True)
+    while True:
+        trainer.run_round()
+
+
+if __name__ == "__main__":
+    main()
