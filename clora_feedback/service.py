@@ -45,6 +45,7 @@ from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.app import Component, create_app
 from clora_feedback.gateway.feedback import ParkedRejoiner, build_feedback_router
+from clora_feedback.gateway.metrics import Family
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.models.resolve import resolve_model_dir
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward
@@ -184,6 +185,43 @@ class FeedbackPipeline:
             await self.broker.astop()
 
 
+_TRAINER_HELP = {
+    "steps": ("counter", "Optimizer steps taken."),
+    "version": ("gauge", "Adapter version the trainer trains from."),
+    "pending_samples": ("gauge", "Rewarded samples waiting for admission."),
+    "admitted_samples": ("counter", "Samples admitted into mini-batches."),
+    "dropped_stale_samples": ("counter", "Samples dropped for exceeding max_staleness."),
+    "staleness_mean": ("gauge", "Mean staleness (versions) of the last admitted samples."),
+    "staleness_max": ("gauge", "Max staleness (versions) of the last admitted samples."),
+    "loss": ("gauge", "Loss of the last step."),
+    "reward_mean": ("gauge", "Mean reward of the last step's samples."),
+    "swap_seconds": ("gauge", "Host<->device state swap time of the last step."),
+    "step_seconds": ("gauge", "Duration of the last step, swaps included."),
+}
+
+
+def _trainer_families(trainer: ContinualTrainer) -> list[Family]:
+    per_agent = trainer.metrics()
+    families = []
+    for key, (kind, text) in _TRAINER_HELP.items():
+        rows = {agent: values[key] for agent, values in per_agent.items() if key in values}
+        suffix = "_total" if kind == "counter" else ""
+        families.append(Family(f"clora_trainer_{key}{suffix}", kind, text, ("agent",), rows))
+    return families
+
+
+def _consumer_families(pipeline: FeedbackPipeline) -> list[Family]:
+    if pipeline.consumer is None:
+        return []
+    values = pipeline.consumer.metrics.as_dict()
+    return [
+        Family(
+            "clora_feedback_consumer", "gauge", "Feedback consumer counters (records, applied, duplicates, ...).",
+            ("counter",), {k: float(v) for k, v in values.items() if v is not None},
+        )
+    ]  # fmt: skip
+
+
 def build_service(settings: Settings) -> FastAPI:
     """Resolve the model and build the engine, stores, registry, trainer, guard and feedback paths."""
     model_dir = resolve_model_dir(settings.engine.model, settings.model_cache_dir)
@@ -231,6 +269,8 @@ def build_service(settings: Settings) -> FastAPI:
         build_adapters_router(registry, trainer.activate_async),
     ]
     app = create_app(serving, engine, store, agents=agents, routers=routers, components=components)
+    app.state.gateway.metrics.add_source(lambda: _trainer_families(trainer))
+    app.state.gateway.metrics.add_source(lambda: _consumer_families(pipeline))
     app.state.trainer = trainer
     app.state.registry = registry
     app.state.feedback = feedback

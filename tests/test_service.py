@@ -110,3 +110,7 @@ def _exercise(app: Any, cluster: bool) -> None:
         versions = http.get("/v1/adapters/support/versions").json()["data"]
         assert versions[0]["version"] == 1 and versions[0]["feedback_window"]["samples"] == 3
         assert http.post("/v1/adapters/support/pin").status_code == 200
+        metrics = http.get("/metrics").text
+        assert 'clora_trainer_steps_total{agent="support"} 1' in metrics
+        assert 'clora_trainer_staleness_mean{agent="support"}' in metrics
+        assert "clora_feedback_consumer" in metrics

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -39,15 +41,31 @@ def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
     return "{" + ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)) + "}"
 
 
+@dataclass(frozen=True)
+class Family:
+    """One metric family from an outside source: name, type, help, label names, rows."""
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...]
+    rows: dict[Any, float]
+
+
 class Metrics:
     """Thread-safe counters for the gateway."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._sources: list[Callable[[], list[Family]]] = []
         self.http = Counter[tuple[str, str, str]]()
         self.completions = Counter[tuple[str, str]]()
         self.prompt_tokens = Counter[str]()
         self.generation_tokens = Counter[str]()
+
+    def add_source(self, source: Callable[[], list[Family]]) -> None:
+        """Register more metric families (trainer, feedback consumer), rendered on each scrape."""
+        self._sources.append(source)
 
     def observe_http(self, route: str, method: str, status: int) -> None:
         with self._lock:
@@ -140,6 +158,9 @@ class Metrics:
             ("agent",),
             dict(stats.adapters),
         )
+        for source in self._sources:
+            for fam in source():
+                family(fam.name, fam.kind, fam.help, fam.labels, fam.rows)
         return "\n".join(lines) + "\n"
 
 

@@ -43,6 +43,7 @@ class _MixPlan:
         rows: [n*m] token row feeding each (slot, j) entry; padding points at row 0.
         padded: [n*m] bool, true for padding entries (None when there are none).
         m: rows per slot.
+        in_order: `rows` is 0..n*m-1 with no padding (token rows already grouped by slot).
     """
 
     lo: int
@@ -51,6 +52,7 @@ class _MixPlan:
     rows: torch.Tensor
     padded: torch.Tensor | None
     m: int
+    in_order: bool
 
     @property
     def n(self) -> int:
@@ -132,6 +134,7 @@ def _build_plan(slot_ids: torch.Tensor, tokens_per_row: int) -> _MixPlan:
         torch.tensor(rows, dtype=torch.long, device=slot_ids.device),
         torch.tensor(padded, device=slot_ids.device) if any(padded) else None,
         m,
+        in_order=rows == list(range(len(slots) * tokens_per_row)),
     )
 
 
@@ -187,6 +190,10 @@ def add_lora_delta_(
     else:
         a = a_slots.index_select(0, plan.index)
         b = b_slots.index_select(0, plan.index)
+    if plan.in_order:  # rows already grouped by slot: no gather, accumulate in place
+        shrunk = torch.bmm(x2.view(plan.n, plan.m, fan_in), a.transpose(1, 2))  # [n, m, R]
+        y2.view(plan.n, plan.m, fan_out).baddbmm_(shrunk, b.transpose(1, 2))
+        return
     grouped = x2.index_select(0, plan.rows).view(plan.n, plan.m, fan_in)
     if plan.padded is not None:
         grouped = grouped * batch.mix_padding(plan, x.dtype)

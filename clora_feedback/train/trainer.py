@@ -290,6 +290,35 @@ class ContinualTrainer:
         )  # fmt: skip
         return True
 
+    # -- observability -----------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """Per agent: steps, version, last loss/reward, admission counters and staleness."""
+        out: dict[str, dict[str, float]] = {}
+        last: dict[str, StepResult] = {r.agent: r for r in self.history}
+        for agent, run in list(self._runs.items()):
+            stats = self.admission.stats[agent]
+            recent = stats.staleness[-100:]
+            row = {
+                "steps": float(run.state.step),
+                "version": float(run.state.version),
+                "pending_samples": float(self.admission.pending(agent)),
+                "admitted_samples": float(stats.admitted),
+                "dropped_stale_samples": float(stats.dropped_stale),
+                "staleness_mean": sum(recent) / len(recent) if recent else 0.0,
+                "staleness_max": float(max(recent, default=0)),
+            }
+            if agent in last:
+                r = last[agent]
+                row |= {
+                    "loss": r.loss,
+                    "reward_mean": r.reward_mean,
+                    "swap_seconds": r.swap_s,
+                    "step_seconds": r.step_s,
+                }
+            out[agent] = row
+        return out
+
     # -- operations ------------------------------------------------------------------------
 
     def activate(self, agent: str, version: int) -> None:
