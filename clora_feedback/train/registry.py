@@ -338,6 +338,7 @@ class AdapterRegistry:
         metrics: Mapping[str, float],
         feedback_window: Mapping[str, Any] | None,
         activate: bool = True,
+        version: int | None = None,
     ) -> VersionInfo:
         """Write a new immutable version and (by default) make it the active one.
 
@@ -353,6 +354,8 @@ class AdapterRegistry:
             metrics: loss and reward statistics of the step.
             feedback_window: which feedback trained this version (a JSON object).
             activate: move the active pointer to the new version in the same transaction.
+            version: a number reserved earlier with `next_version` (so the engine can
+                serve the weights under it while the files are written); default: reserve now.
 
         Returns:
             The committed version.
@@ -373,6 +376,7 @@ class AdapterRegistry:
             metrics=metrics,
             feedback_window=feedback_window,
             activate=activate,
+            reserved=version,
         )
 
     def register_initial(
@@ -434,6 +438,7 @@ class AdapterRegistry:
         metrics: Mapping[str, float],
         feedback_window: Mapping[str, Any] | None,
         activate: bool,
+        reserved: int | None = None,
     ) -> VersionInfo:
         check_agent_name(agent)
         parent, step = meta["parent"], meta["step"]
@@ -450,7 +455,11 @@ class AdapterRegistry:
             # Checked before writing (a cheap failure) and again in the commit (the truth).
             with self._read("publish") as conn:
                 self._check_publishable(conn, agent, parent, activate)
-            version = meta["version"] = self.next_version(agent)
+            version = meta["version"] = (
+                self.next_version(agent)
+                if reserved is None
+                else self._check_reserved(agent, reserved)
+            )
             with self._translate("publish"):
                 manifest = self._dirs.place(
                     agent,
@@ -472,6 +481,21 @@ class AdapterRegistry:
             "agent %s: published version %d (parent %s, step %d)", agent, version, parent, step
         )
         return self.get(agent, version)
+
+    def _check_reserved(self, agent: str, version: int) -> int:
+        """A reserved number must have been handed out and not used by any version yet."""
+        with self._read("publish") as conn:
+            row = self._agent_row(conn, agent)
+            used = conn.execute(
+                "SELECT max(version) FROM versions WHERE agent = ?", (agent,)
+            ).fetchone()[0]
+        if row is None or version > int(row[2]) or (used is not None and version <= used):
+            raise ConflictError(
+                f"agent {agent!r}: version {version} was not reserved or is already taken",
+                param="version",
+                code="version_not_reserved",
+            )
+        return version
 
     def _check_publishable(
         self, conn: sqlite3.Connection, agent: str, parent: int | None, activate: bool

@@ -94,6 +94,7 @@ class ContinualTrainer:
         self._turn = 0
         self._task: asyncio.Task[None] | None = None
         self.history: list[StepResult] = []
+        self.last_publish: dict[str, float] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -259,11 +260,32 @@ class ContinualTrainer:
     def _publish(
         self, agent: str, run: _AgentRun, result: StepResult, window: dict[str, object]
     ) -> bool:
+        """Serve the new weights at once under a reserved version, then make that version durable.
+
+        The engine takes the weights from memory (no disk round trip) under a version
+        number the registry has reserved; the immutable directory and the active
+        pointer follow. If the registry refuses (pinned or rolled back meanwhile), the
+        engine goes back to what it served before and the step is void. A crash in
+        between loses only the not-yet-durable version: on restart the last complete
+        one is active and its samples are trained again.
+        """
         state = run.state
+        try:
+            active = self.registry.active(agent)
+        except NotFoundError:
+            active = None
+        if self.registry.is_pinned(agent) or (active.version if active else 0) != state.version:
+            log.warning("agent %s: step discarded (pinned or rolled back during the step)", agent)
+            self._runs.pop(agent, None)
+            return False
         weights = state.layout.to_weights(state.params)
         t0 = time.perf_counter()
+        version = self.registry.next_version(agent)
+        previous = self.engine.adapter_weights(agent)
+        self.engine.set_adapter(agent, version, weights)
+        served = time.perf_counter()
         try:
-            info = self.registry.publish(
+            self.registry.publish(
                 agent,
                 weights,
                 optimizer_state=state.optimizer_state(),
@@ -272,23 +294,34 @@ class ContinualTrainer:
                 step=state.step,
                 metrics=result.metrics(),
                 feedback_window=window,
+                version=version,
             )
-        except ConflictError as exc:  # pinned or rolled back meanwhile: this step is void
-            log.warning("agent %s: step discarded (%s)", agent, exc.message)
+        except Exception as exc:
+            self._restore(agent, previous)
             self._runs.pop(agent, None)
-            return False
+            if isinstance(exc, ConflictError):  # pinned or rolled back meanwhile: the step is void
+                log.warning("agent %s: step discarded (%s)", agent, exc.message)
+                return False
+            raise
         written = time.perf_counter()
-        self.engine.set_adapter(agent, info.version, weights)
-        state.version = info.version
+        state.version = version
         run.trained_seq = int(window["to_seq"])  # type: ignore[call-overload]
         run.last_step_at = time.monotonic()
+        self.last_publish = {"handoff_s": served - t0, "durable_s": written - t0}
         log.info(
-            "agent %s: v%d published (step %d, loss %.4f, reward %.3f, %d samples, staleness %.2f, "
-            "swap %.1f ms of %.0f ms step, write %.0f ms)",
-            agent, info.version, state.step, result.loss, result.reward_mean, result.num_pg + result.num_sft,
-            result.staleness_mean, result.swap_s * 1e3, result.step_s * 1e3, (written - t0) * 1e3,
+            "agent %s: v%d live (step %d, loss %.4f, reward %.3f, %d samples, staleness %.2f, "
+            "swap %.1f ms of %.0f ms step, hand-off %.1f ms, durable after %.0f ms)",
+            agent, version, state.step, result.loss, result.reward_mean, result.num_pg + result.num_sft,
+            result.staleness_mean, result.swap_s * 1e3, result.step_s * 1e3,
+            (served - t0) * 1e3, (written - t0) * 1e3,
         )  # fmt: skip
         return True
+
+    def _restore(self, agent: str, previous: tuple[int, LoRAWeights] | None) -> None:
+        if previous is not None:
+            self.engine.set_adapter(agent, previous[0], previous[1])
+        elif self.engine.adapter_version(agent) is not None:
+            self.engine.remove_adapter(agent)
 
     # -- observability -----------------------------------------------------------------------
 
