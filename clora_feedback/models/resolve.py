@@ -17,11 +17,12 @@ import json
 from pathlib import Path
 
 from clora_feedback.config import DEFAULT_MODEL
+from clora_feedback.engine.model import SUPPORTED_MODEL_TYPES as _ENGINE_TYPES
 from clora_feedback.errors import InvalidRequestError, NotFoundError
 from clora_feedback.models.default import ensure_default_model_dir
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
-"""`config.json` model types the engine runs (Llama-shaped decoder-only models)."""
+SUPPORTED_MODEL_TYPES = frozenset(_ENGINE_TYPES)
+"""`config.json` model types the embedded engine runs (Qwen3's q/k norms are not implemented yet)."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 """Any one of these marks a directory as carrying its tokenizer."""

@@ -1,0 +1,334 @@
+"""`clora bench serve [--quick]`: serving benchmarks on the default model, as ratios.
+
+Four measurements, each a ratio taken within one run on one machine (so the
+machine's speed cancels out), printed as a Markdown table:
+
+1. mixed adapters: 8 concurrent requests on 8 different random rank-16
+   adapters (all 7 target projections) vs the same 8 requests on one adapter,
+   tokens/s (goal >= 0.9x);
+2. multiplexing: 8 agents' multi-turn episodes served together by one engine
+   vs one agent after another, wall time (goal >= 4x);
+3. engine efficiency: single-stream and batch-8 tokens/s vs Hugging Face
+   `generate()` on the same model, dtype, prompt and threads (goal >= 1.5x),
+   plus the weight + KV bytes a decode step reads per second against the
+   machine's ~27 GB/s memory bandwidth;
+4. gateway overhead: median latency the HTTP layer adds to a one-token
+   completion (see `clora_feedback.bench.gateway`).
+
+Each engine measurement is repeated and its median kept; every request is
+greedy with EOS ignored, so all runs do identical work. Not a test: nothing
+here asserts, and pytest never collects it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from clora_feedback.bench.workload import BatchRun, concurrent, episodes
+from clora_feedback.config import DEFAULT_MODEL, EngineConfig
+from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.lora.weights import random_lora_weights
+
+PROMPT = (
+    "You are a support agent for a bicycle shop. A customer writes: my rear derailleur "
+    "skips gears when I pedal hard uphill. What should I check first, and how?"
+)
+AGENTS = tuple(f"agent{i}" for i in range(8))
+MEMORY_BANDWIDTH_GBPS = (
+    27.0  # measured copy bandwidth of the reference machine (docs/benchmarks.md)
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to run and how long.
+
+    Attributes:
+        model: model spec (the default name or a HF directory).
+        cache_dir: model cache (where the default model is converted once).
+        dtype: engine (and baseline) dtype.
+        threads: torch threads (None: torch's default, all cores).
+        new_tokens: tokens generated per request.
+        turns: requests per agent episode (multiplexing).
+        reps: repetitions of each engine measurement (median kept).
+        gateway_reps: measured request pairs for the gateway overhead.
+        skip_hf: skip the transformers baseline.
+        skip_gateway: skip the gateway overhead.
+        json_path: also write the results here.
+    """
+
+    model: str
+    cache_dir: Path
+    dtype: str
+    threads: int | None
+    new_tokens: int
+    turns: int
+    reps: int
+    gateway_reps: int
+    skip_hf: bool
+    skip_gateway: bool
+    json_path: Path | None
+
+
+def parse_options(argv: list[str]) -> Options:
+    parser = argparse.ArgumentParser(prog="clora bench serve", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="Fewer tokens and repetitions (~1 min)."
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Model spec (default: %(default)s).")
+    parser.add_argument("--cache-dir", type=Path, default=Path("var/models"), help="Model cache.")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")
+    parser.add_argument("--new-tokens", type=int, default=None, help="Tokens per request.")
+    parser.add_argument("--skip-hf", action="store_true", help="Skip the transformers baseline.")
+    parser.add_argument("--skip-gateway", action="store_true", help="Skip the HTTP overhead.")
+    parser.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
+    args = parser.parse_args(argv)
+    quick = bool(args.quick)
+    return Options(
+        model=args.model,
+        cache_dir=args.cache_dir,
+        dtype=args.dtype,
+        threads=args.threads,
+        new_tokens=args.new_tokens or (32 if quick else 64),
+        turns=1 if quick else 2,
+        reps=1 if quick else 3,
+        gateway_reps=20 if quick else 100,
+        skip_hf=args.skip_hf,
+        skip_gateway=args.skip_gateway,
+        json_path=args.json,
+    )
+
+
+def machine_facts() -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "torch threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+async def _median_of(reps: int, run: Callable[[], Awaitable[BatchRun]]) -> BatchRun:
+    """Run `reps` times and keep the run with the median tokens/s."""
+    runs = [await run() for _ in range(reps)]
+    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+
+
+@dataclass
+class Results:
+    """Figures gathered by `run`, keyed by name (see `table`)."""
+
+    values: dict[str, float]
+    notes: list[str]
+
+
+async def bench_adapters(engine: EmbeddedEngine, prompt: list[int], o: Options, r: Results) -> None:
+    """1. mixed adapters vs one adapter; 2. multiplexing; both on the same 8 agents."""
+    for i, agent in enumerate(AGENTS):
+        engine.set_adapter(agent, 1, random_lora_weights(engine.lora_limits, rank=16, seed=i))
+    one = [AGENTS[0]] * len(AGENTS)
+    await concurrent(engine, AGENTS, prompt, 4)  # warm-up: load every slot
+    mixed_runs, one_runs = [], []
+    for _ in range(o.reps):  # interleaved, so drifting machine load hits both alike
+        one_runs.append(await concurrent(engine, one, prompt, o.new_tokens))
+        mixed_runs.append(await concurrent(engine, AGENTS, prompt, o.new_tokens))
+    mixed = sorted(mixed_runs, key=lambda x: x.tokens_per_s)[len(mixed_runs) // 2]
+    single = sorted(one_runs, key=lambda x: x.tokens_per_s)[len(one_runs) // 2]
+    r.values |= {
+        "mixed_tok_s": mixed.tokens_per_s,
+        "one_adapter_tok_s": single.tokens_per_s,
+        "mixed_ratio": mixed.tokens_per_s / single.tokens_per_s,
+        "mixed_decode_tok_s": mixed.decode_tokens_per_s,
+        "one_adapter_decode_tok_s": single.decode_tokens_per_s,
+        "mixed_decode_ratio": mixed.decode_tokens_per_s / single.decode_tokens_per_s,
+    }
+    distinct = {tuple(t.token_ids) for t in mixed.requests}
+    if len(distinct) < 2:
+        r.notes.append("WARNING: all 8 adapters generated the same text; adapters not applied?")
+    serial_s, serial_tokens = await episodes(
+        engine, AGENTS, prompt, o.new_tokens, o.turns, together=False
+    )
+    together_s, together_tokens = await episodes(
+        engine, AGENTS, prompt, o.new_tokens, o.turns, together=True
+    )
+    r.values |= {
+        "serial_s": serial_s,
+        "together_s": together_s,
+        "multiplex_ratio": serial_s / together_s,
+        "multiplex_tokens": float(together_tokens),
+    }
+    assert serial_tokens == together_tokens
+
+
+def decode_bytes_per_step(engine: EmbeddedEngine, batch: int, span: int) -> int:
+    """Bytes a base-model decode step must read: every weight once, each row's KV cache."""
+    model = engine.model
+    tensors = [
+        model.lm_head,
+        model.final_norm,
+        *(t for layer in model.layers for t in layer.values()),
+    ]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    c = model.config
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * span * model.dtype.itemsize
+    return weights + batch * kv
+
+
+async def bench_engine(engine: EmbeddedEngine, prompt: list[int], o: Options, r: Results) -> None:
+    """3a. the engine alone, base model: single stream and batch 8."""
+    await concurrent(engine, [None], prompt, 4)
+    single = await _median_of(o.reps, lambda: concurrent(engine, [None], prompt, o.new_tokens))
+    batch = await _median_of(o.reps, lambda: concurrent(engine, [None] * 8, prompt, o.new_tokens))
+    span = len(prompt) + o.new_tokens // 2  # mean cache length during decoding
+    for name, run, b in (("single", single, 1), ("batch8", batch, 8)):
+        step_bytes = decode_bytes_per_step(engine, b, span)
+        steps_per_s = run.decode_tokens_per_s / b
+        r.values |= {
+            f"engine_{name}_tok_s": run.tokens_per_s,
+            f"engine_{name}_decode_tok_s": run.decode_tokens_per_s,
+            f"engine_{name}_step_ms": 1e3 / steps_per_s,
+            f"engine_{name}_gbps": step_bytes * steps_per_s / 1e9,
+            f"engine_{name}_step_mb": step_bytes / 1e6,
+        }
+
+
+def bench_hf(model_dir: Path, prompt: list[int], o: Options, r: Results) -> None:
+    """3b. transformers `generate()` on the same prompt, dtype and threads."""
+    from clora_feedback.bench.baseline import HFBaseline
+
+    hf = HFBaseline(model_dir, getattr(torch, o.dtype))
+    hf.generate(prompt, 1, 4)  # warm-up
+    for name, b in (("single", 1), ("batch8", 8)):
+        rates = [hf.tokens_per_s(prompt, b, o.new_tokens) for _ in range(o.reps)]
+        hf_rate = statistics.median(rates)
+        r.values[f"hf_{name}_tok_s"] = hf_rate
+        r.values[f"speedup_{name}"] = r.values[f"engine_{name}_tok_s"] / hf_rate
+
+
+async def run(o: Options) -> Results:
+    from clora_feedback.models.resolve import resolve_model_dir
+
+    r = Results({}, [])
+    model_dir = resolve_model_dir(o.model, o.cache_dir)
+    config = EngineConfig(
+        model=str(model_dir), dtype=o.dtype, num_threads=o.threads, max_loras=8, max_lora_rank=16
+    )
+    t0 = time.perf_counter()
+    engine = EmbeddedEngine(model_dir, config)
+    r.values["engine_load_s"] = time.perf_counter() - t0
+    chat = [{"role": "user", "content": PROMPT}]
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    prompt = list(tok.encode(str(text), add_special_tokens=False))
+    r.values["prompt_tokens"] = float(len(prompt))
+    await engine.start()
+    try:
+        await bench_engine(engine, prompt, o, r)
+        await bench_adapters(engine, prompt, o, r)
+        if not o.skip_hf:
+            bench_hf(model_dir, prompt, o, r)
+        if not o.skip_gateway:
+            from clora_feedback.bench.gateway import gateway_overhead
+
+            with tempfile.TemporaryDirectory(prefix="clora-bench-") as scratch:
+                g = await gateway_overhead(engine, Path(scratch), PROMPT, o.gateway_reps)
+            r.values |= {
+                "gateway_http_ms": g.http_ms,
+                "gateway_engine_ms": g.engine_ms,
+                "gateway_overhead_ms": g.overhead_ms,
+                "gateway_overhead_p90_ms": g.overhead_p90_ms,
+            }
+    finally:
+        await engine.stop()
+    return r
+
+
+def table(r: Results, o: Options) -> str:
+    """The results as a Markdown table (rows only for what was measured)."""
+    v = r.values
+    rows = [
+        (
+            "1. mixed adapters: 8 requests on 8 adapters vs 8 on one (tokens/s)",
+            f"**{v['mixed_ratio']:.2f}x** ({v['mixed_tok_s']:.0f} vs {v['one_adapter_tok_s']:.0f}; "
+            f"decode only {v['mixed_decode_ratio']:.2f}x)",
+            ">= 0.9x",
+        ),
+        (
+            f"2. multiplexing: 8 agents x {o.turns} turns together vs one after another (wall)",
+            f"**{v['multiplex_ratio']:.2f}x** ({v['together_s']:.1f} s vs {v['serial_s']:.1f} s)",
+            ">= 4x",
+        ),
+    ]
+    for name, label in (("single", "single stream"), ("batch8", "batch 8")):
+        engine = f"{v[f'engine_{name}_tok_s']:.1f} tok/s"
+        if f"speedup_{name}" in v:
+            result = f"**{v[f'speedup_{name}']:.2f}x** ({engine} vs HF {v[f'hf_{name}_tok_s']:.1f})"
+        else:
+            result = engine
+        rows.append((f"3. engine vs transformers generate(), {label}", result, ">= 1.5x"))
+        rows.append(
+            (
+                f"3. decode bandwidth, {label} ({v[f'engine_{name}_step_mb']:.0f} MB/step)",
+                f"{v[f'engine_{name}_gbps']:.1f} GB/s = "
+                f"{v[f'engine_{name}_gbps'] / MEMORY_BANDWIDTH_GBPS:.0%} of {MEMORY_BANDWIDTH_GBPS:.0f} GB/s "
+                f"({v[f'engine_{name}_step_ms']:.1f} ms/step)",
+                "",
+            )
+        )
+    if "gateway_overhead_ms" in v:
+        rows.append(
+            (
+                "4. gateway overhead, one-token completion (median of HTTP - in process)",
+                f"**{v['gateway_overhead_ms']:.1f} ms** (p90 {v['gateway_overhead_p90_ms']:.1f}; "
+                f"HTTP {v['gateway_http_ms']:.1f} vs engine {v['gateway_engine_ms']:.1f} ms)",
+                "",
+            )
+        )
+    lines = ["| benchmark | result | goal |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join([*lines, "", *r.notes])
+
+
+def main(argv: list[str]) -> int:
+    o = parse_options(argv)
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    facts = machine_facts()
+    start = time.perf_counter()
+    r = asyncio.run(run(o))
+    facts["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    facts["benchmark wall time"] = f"{time.perf_counter() - start:.0f} s"
+    facts["settings"] = (
+        f"{o.model}, {o.dtype}, {o.new_tokens} new tokens/request, "
+        f"{int(r.values['prompt_tokens'])} prompt tokens, {o.reps} rep(s)"
+    )
+    print(table(r, o))
+    print()
+    for key, value in facts.items():
+        print(f"- {key}: {value}")
+    if o.json_path is not None:
+        o.json_path.write_text(json.dumps({"facts": facts, "results": r.values}, indent=2))
+    return 0
