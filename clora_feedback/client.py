@@ -56,6 +56,7 @@ from clora_feedback.errors import (
     NotFoundError,
     OverloadedError,
     PermissionDeniedError,
+    UnavailableError,
 )
 from clora_feedback.schemas.feedback import (
     EVENT_TYPES,
@@ -79,12 +80,8 @@ _T = TypeVar("_T")
 # -- the wire contract shared with the webhook ----------------------------------------
 
 
-class FeedbackDeliveryError(CloraError):
-    """Feedback could not be delivered (network, broker or server unavailable); safe to resend."""
-
-    http_status = 503
-    error_type = "server_error"
-    retriable = True
+FeedbackDeliveryError = UnavailableError
+"""Feedback could not be delivered (network, broker or server unavailable); safe to resend."""
 
 
 class RejectedEvent(BaseModel):

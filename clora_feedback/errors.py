@@ -5,7 +5,10 @@ carries its behaviour as attributes, so callers never match on message text:
 
     CloraError                      http_status=500, retriable=False
     ├── InvalidRequestError         400  a request parameter is wrong (names `param`)
-    │   └── ContextLengthError      400  prompt + max_tokens exceed the context window
+    │   ├── ContextLengthError      400  prompt + max_tokens exceed the context window
+    │   ├── PayloadTooLargeError    413  a request body over the configured limit
+    │   └── UnprocessableError      422  well-formed, but can never apply (e.g. feedback
+    │                                    about another agent's completion)
     ├── AuthenticationError         401  missing or unknown API key
     ├── PermissionDeniedError       403  the key may not touch this agent or route
     ├── NotFoundError               404  unknown agent, model, adapter or completion
@@ -13,7 +16,10 @@ carries its behaviour as attributes, so callers never match on message text:
     ├── OverloadedError             429  the request queue is full (retriable)
     ├── AdapterError                400  an adapter is malformed or exceeds engine limits
     ├── EngineError                 500  the engine failed while generating
-    └── StoreError                  500  durable storage failed (retriable)
+    ├── StoreError                  500  durable storage failed (retriable)
+    │   └── IntegrityError          500  stored content is corrupt (not retriable)
+    └── UnavailableError            503  a dependency is unreachable: the Kafka cluster,
+                                         the local broker, the gateway (retriable)
 
 The gateway maps these to OpenAI error JSON in exactly one place
 (`clora_feedback.gateway.errors`); foreign exceptions are translated once at
@@ -45,6 +51,14 @@ class InvalidRequestError(CloraError):
 class ContextLengthError(InvalidRequestError):
     def __init__(self, message: str, *, param: str | None = "messages"):
         super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    http_status = 413
+
+
+class UnprocessableError(InvalidRequestError):
+    http_status = 422
 
 
 class AuthenticationError(CloraError):
@@ -89,5 +103,15 @@ class EngineError(CloraError):
 
 class StoreError(CloraError):
     http_status = 500
+    error_type = "server_error"
+    retriable = True
+
+
+class IntegrityError(StoreError):
+    retriable = False
+
+
+class UnavailableError(CloraError):
+    http_status = 503
     error_type = "server_error"
     retriable = True

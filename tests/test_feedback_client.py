@@ -33,7 +33,7 @@ from clora_feedback.errors import (
     AuthenticationError,
     InvalidRequestError,
     PermissionDeniedError,
-    StoreError,
+    UnavailableError,
 )
 from clora_feedback.feedback.broker import LocalBroker
 from clora_feedback.feedback.cli import add_feedback_parser
@@ -276,7 +276,7 @@ def test_unreachable_broker_is_retriable() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     client = FeedbackClient(kafka_bootstrap=f"127.0.0.1:{port}")
-    with client, pytest.raises(StoreError) as err:
+    with client, pytest.raises(UnavailableError) as err:
         client.reward("support", 1.0, completion_id="c")
     assert err.value.retriable
 

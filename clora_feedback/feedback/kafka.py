@@ -45,7 +45,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from clora_feedback.config import FeedbackConfig, KafkaConfig, load_settings
-from clora_feedback.errors import CloraError, InvalidRequestError, StoreError
+from clora_feedback.errors import CloraError, InvalidRequestError, StoreError, UnavailableError
 from clora_feedback.feedback.records import (
     HEADER_REASON,
     HEADER_SOURCE_OFFSET,
@@ -225,7 +225,7 @@ class FeedbackConsumer:
         """Connect, join the group (in the background) and open the dead-letter producer.
 
         Raises:
-            StoreError: the cluster cannot be reached.
+            UnavailableError: the cluster cannot be reached.
         """
         if self._consumer is not None:
             raise CloraError("the feedback consumer is already started", code="already_started")
@@ -285,7 +285,7 @@ class FeedbackConsumer:
         """Poll, apply, dead-letter and commit until `stop`; retry parked events on the way.
 
         Raises:
-            StoreError: the store or the cluster failed for good; the batch in
+            StoreError, UnavailableError: the store or the cluster failed for good; the batch in
                 flight was not committed and replays on the next start.
         """
         self._require_started()
@@ -388,7 +388,7 @@ class FeedbackConsumer:
         for attempt in range(attempts):
             try:
                 return await asyncio.to_thread(self.store.apply, incoming)
-            except StoreError as exc:
+            except (StoreError, UnavailableError) as exc:
                 if not exc.retriable or attempt == attempts - 1:
                     raise
                 log.warning("feedback store busy (%s); retrying the batch", exc.message)

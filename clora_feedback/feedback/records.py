@@ -11,7 +11,7 @@ keeps the two in step.
   `InvalidRequestError` whose message is the dead-letter reason.
 - `FeedbackProducer`: writes events (the webhook and `FeedbackClient` use it).
 
-aiokafka errors are translated here and in `kafka` into `StoreError`
+aiokafka errors are translated here and in `kafka` into `UnavailableError`
 (retriable, code `kafka_error`). Not here: consuming (`kafka`), the broker.
 """
 
@@ -30,7 +30,7 @@ from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from clora_feedback.config import KafkaConfig
-from clora_feedback.errors import CloraError, InvalidRequestError, StoreError
+from clora_feedback.errors import CloraError, InvalidRequestError, UnavailableError
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_event
 
 __all__ = [
@@ -56,9 +56,9 @@ _DEFAULTS = KafkaConfig()
 log = logging.getLogger(__name__)
 
 
-def kafka_error(action: str, exc: BaseException) -> StoreError:
+def kafka_error(action: str, exc: BaseException) -> UnavailableError:
     """The one translation of aiokafka errors: the feedback log is unavailable (retriable)."""
-    return StoreError(f"kafka {action} failed: {exc!r}", code="kafka_error")
+    return UnavailableError(f"kafka {action} failed: {exc!r}", code="kafka_error")
 
 
 async def close_quietly(aw: Any) -> None:
@@ -177,7 +177,7 @@ class FeedbackProducer:
         return self._topics[event.kind]
 
     async def start(self) -> None:
-        """Connect. Raises `StoreError` when the cluster cannot be reached."""
+        """Connect. Raises `UnavailableError` when the cluster cannot be reached."""
         producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap_servers, acks="all", **self._args
         )
@@ -207,7 +207,7 @@ class FeedbackProducer:
         await self.stop()
 
     async def send(self, event: Event) -> Delivery:
-        """Produce one event and wait for its ack. Raises `StoreError` on failure."""
+        """Produce one event and wait for its ack. Raises `UnavailableError` on failure."""
         return (await self.send_many([event]))[0]
 
     async def send_many(self, events: Sequence[Event]) -> list[Delivery]:

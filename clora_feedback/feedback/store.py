@@ -20,7 +20,6 @@ Not here: Kafka, HTTP, reward arithmetic (see `rewards`).
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 import time
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clora_feedback.errors import CloraError, StoreError
+from clora_feedback.errors import CloraError, StoreError, UnprocessableError
 from clora_feedback.feedback.rewards import RewardPolicy, RewardSignal
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_event
 from clora_feedback.store.trajectories import TrajectoryRecord, TrajectoryStore
@@ -286,7 +285,7 @@ class FeedbackStore:
         for completion_id in found:
             trajectory = self._trajectory(completion_id)
             if trajectory.agent != event.agent:
-                raise _Invalid(
+                raise UnprocessableError(
                     f"completion {completion_id} belongs to agent {trajectory.agent!r}, not {event.agent!r}"
                 )
             samples = (
@@ -407,14 +406,3 @@ class FeedbackStore:
         with self._lock:
             self._conn.close()
         self.trajectories.close()
-
-
-class _Invalid(CloraError):
-    """An event that can never join (e.g. names another agent's completion)."""
-
-    http_status = 422
-    error_type = "invalid_request_error"
-
-
-def dump_payload(event: Event) -> str:
-    return json.dumps(event.model_dump(mode="json"), sort_keys=True)

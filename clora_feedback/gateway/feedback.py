@@ -69,6 +69,7 @@ from clora_feedback.errors import (
     CloraError,
     InvalidRequestError,
     NotFoundError,
+    PayloadTooLargeError,
     PermissionDeniedError,
 )
 from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming, Rejected
@@ -90,12 +91,6 @@ class FeedbackSink(Protocol):
     async def send(self, event: Event) -> object:
         """Deliver `event` durably (acknowledged by the broker) or raise a `CloraError`."""
         ...
-
-
-class PayloadTooLargeError(InvalidRequestError):
-    """The request body exceeds `feedback.max_body_bytes`."""
-
-    http_status = 413
 
 
 class FeedbackHandler:

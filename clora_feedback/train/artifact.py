@@ -43,7 +43,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from clora_feedback.errors import AdapterError, StoreError
+from clora_feedback.errors import AdapterError, IntegrityError, StoreError
 from clora_feedback.lora.peft_io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -183,7 +183,7 @@ def verify_version_dir(path: Path, expected_hash: str, *, has_optimizer_state: b
     try:
         digests = {name: file_sha256(path / name) for name in names}
     except OSError as exc:
-        raise StoreError(f"{path}: {exc}", code="version_files_missing") from exc
+        raise IntegrityError(f"{path}: {exc}", code="version_files_missing") from exc
     if content_hash(digests) == expected_hash:
         return
     try:
@@ -191,7 +191,7 @@ def verify_version_dir(path: Path, expected_hash: str, *, has_optimizer_state: b
     except StoreError:
         recorded = {}
     changed = [n for n in names if recorded.get(n, {}).get("sha256") != digests[n]]
-    raise StoreError(
+    raise IntegrityError(
         f"{path}: content hash mismatch (changed: {', '.join(changed) or 'unknown'}); "
         "the files were modified or corrupted after publishing",
         code="content_hash_mismatch",
