@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
@@ -61,6 +60,7 @@ from clora_feedback.feedback.records import (
 )
 from clora_feedback.feedback.rewards import RewardPolicy
 from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming, Rejected
+from clora_feedback.lifecycle import AsyncLifecycle
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward
 
 __all__ = [
@@ -139,7 +139,7 @@ class BatchReport:
 # -- the consumer -------------------------------------------------------------------------
 
 
-class FeedbackConsumer:
+class FeedbackConsumer(AsyncLifecycle):
     """A consumer-group member that applies feedback records to a `FeedbackStore`.
 
     Args:
@@ -268,18 +268,6 @@ class FeedbackConsumer:
             await close_quietly(consumer.stop())
         if producer is not None:
             await close_quietly(producer.stop())
-
-    async def __aenter__(self) -> FeedbackConsumer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def run(self) -> None:
         """Poll, apply, dead-letter and commit until `stop`; retry parked events on the way.

@@ -22,7 +22,6 @@ import json
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -31,6 +30,7 @@ from pydantic import ValidationError
 
 from clora_feedback.config import KafkaConfig
 from clora_feedback.errors import CloraError, InvalidRequestError, UnavailableError
+from clora_feedback.lifecycle import AsyncLifecycle
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_event
 
 __all__ = [
@@ -136,7 +136,7 @@ class Delivery:
 # -- the producer -------------------------------------------------------------------------
 
 
-class FeedbackProducer:
+class FeedbackProducer(AsyncLifecycle):
     """Writes feedback events to the topic of their kind, keyed by agent (acks from all replicas).
 
     Args:
@@ -193,18 +193,6 @@ class FeedbackProducer:
         producer, self._producer = self._producer, None
         if producer is not None:
             await close_quietly(producer.stop())
-
-    async def __aenter__(self) -> FeedbackProducer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def send(self, event: Event) -> Delivery:
         """Produce one event and wait for its ack. Raises `UnavailableError` on failure."""

@@ -44,12 +44,10 @@ Not here: key handling (`auth`), the error JSON (`errors`), the store
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Annotated, Any, Protocol
 
 from fastapi import APIRouter, Depends, Request
@@ -75,6 +73,7 @@ from clora_feedback.errors import (
 from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming, Rejected
 from clora_feedback.gateway.auth import Principal, current_principal
 from clora_feedback.gateway.errors import error_payload
+from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_events
 
 Event = Correction | Resolution | Reward
@@ -283,7 +282,7 @@ class FeedbackHandler:
         return JSONResponse(content, status_code=202 if receipt.parked else 200)
 
 
-class ParkedRejoiner:
+class ParkedRejoiner(BackgroundTask):
     """Retries parked events every `interval_s` on the direct (no-Kafka) path.
 
     With Kafka, the ingest consumer does this; without it, nothing else would:
@@ -296,11 +295,12 @@ class ParkedRejoiner:
         interval_s: pause between retries.
     """
 
+    task_name = "clora-parked-feedback"
+
     def __init__(self, store: FeedbackStore, *, ttl_s: float, interval_s: float = 2.0) -> None:
         self._store = store
         self._ttl_s = ttl_s
         self._interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
 
     async def run_once(self) -> tuple[list[str], list[Rejected]]:
         """One retry: (event ids joined now, events that died)."""
@@ -316,31 +316,6 @@ class ParkedRejoiner:
                 await self.run_once()
             except CloraError as exc:  # a locked or failing database: try again next round
                 log.error("retrying parked feedback failed: %s", exc.message)
-
-    async def start(self) -> None:
-        """Begin retrying in the background (idempotent)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="clora-parked-feedback")
-
-    async def stop(self) -> None:
-        """Stop retrying; waits for a retry in progress to finish or be cancelled."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def __aenter__(self) -> ParkedRejoiner:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
 
 def _path(index: int, field: str, batch: bool) -> str:

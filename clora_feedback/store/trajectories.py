@@ -43,6 +43,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
+from clora_feedback.lifecycle import AsyncLifecycle
 
 SCHEMA_VERSION = 1
 _T = TypeVar("_T")
@@ -432,7 +433,7 @@ def _to_record(row: tuple[Any, ...], samples: builtins.list[SampleRecord]) -> Tr
     )
 
 
-class AsyncTrajectoryStore:
+class AsyncTrajectoryStore(AsyncLifecycle):
     """`TrajectoryStore` for asyncio code: every call runs on one dedicated thread.
 
     One worker thread keeps writes in submission order and keeps fsync off the
@@ -514,15 +515,3 @@ class AsyncTrajectoryStore:
         """See `TrajectoryStore.count`."""
         store = self.store
         return await self._run(lambda: store.count(agent))
-
-    async def __aenter__(self) -> AsyncTrajectoryStore:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()

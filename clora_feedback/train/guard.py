@@ -25,7 +25,6 @@ installing weights in the engine (the `on_rollback` callback does that).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import statistics
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 
 from clora_feedback.config import GuardConfig
 from clora_feedback.errors import CloraError, ConflictError
+from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.train.versions import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def welch_one_sided(
     return t, df, student_t_sf(t, df)
 
 
-class RegressionGuard:
+class RegressionGuard(BackgroundTask):
     """Judges active versions against their parents and rolls regressions back.
 
     Args:
@@ -167,7 +167,6 @@ class RegressionGuard:
         self.rewards = rewards
         self.config = config or GuardConfig()
         self.on_rollback = on_rollback
-        self._task: asyncio.Task[None] | None = None
 
     def evaluate(self, agent: str) -> GuardDecision:
         """Judge `agent`'s active version; changes nothing.
@@ -271,22 +270,7 @@ class RegressionGuard:
                 log.error("regression guard: listing agents failed: %s", exc.message)
             await asyncio.sleep(self.config.check_interval_s)
 
-    async def start(self) -> None:
-        """Start checking every `check_interval_s` (no-op when disabled or already running)."""
-        if self.config.enabled and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="regression-guard")
+    task_name = "regression-guard"
 
-    async def stop(self) -> None:
-        """Stop the background loop and wait for it to finish."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def __aenter__(self) -> RegressionGuard:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
+    def _should_run(self) -> bool:
+        return self.config.enabled

@@ -24,7 +24,6 @@ Not here: the math of a step (`step`), the HTTP routes, the guard's statistics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ from clora_feedback.config import TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.errors import ConflictError, NotFoundError
 from clora_feedback.feedback.store import FeedbackStore, TrainingSample
+from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
@@ -59,7 +59,7 @@ class _AgentRun:
     last_step_at: float = field(default_factory=time.monotonic)
 
 
-class ContinualTrainer:
+class ContinualTrainer(BackgroundTask):
     """Trains every agent with feedback, one round at a time, publishing in place."""
 
     def __init__(
@@ -92,24 +92,14 @@ class ContinualTrainer:
         self._slots: list[TrainingSlot] = []
         self._lock = threading.RLock()  # one round or activation at a time
         self._turn = 0
-        self._task: asyncio.Task[None] | None = None
         self.history: list[StepResult] = []
         self.last_publish: dict[str, float] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="clora-trainer")
+    task_name = "clora-trainer"
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
+    async def _run(self) -> None:
         while True:
             try:
                 await asyncio.to_thread(self.run_round)
