@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,13 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_adapters_parser(sub)
 
     bench = sub.add_parser("bench", help="Run a benchmark and print its table.")
-    bench.add_argument("what", choices=["serve"], help="Which benchmark.")
+    from clora_feedback.bench import BENCHMARKS
+
+    bench.add_argument("what", choices=BENCHMARKS, help="Which benchmark.")
     bench.add_argument("extra", nargs=argparse.REMAINDER, help="Options passed to the benchmark.")
     bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Idle OpenMP threads must sleep, not spin: the engine and trainer threads (and any other
+    # process) share the cores, and spinning workers stall each other (docs/benchmarks.md).
+    # OpenMP reads this once, when torch loads, which has not happened yet here.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -16,7 +16,7 @@ Not here: losses, optimizer, batching policy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -74,12 +74,18 @@ class TrainLoRA:
     layouts: list[LoRALayout]
     params: list[torch.Tensor]
     row_agent: torch.Tensor
+    _views: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # One split per agent per pass: cheap views, and one gradient concatenation on the way back.
+        self._views = [
+            layout.split_views(flat) for layout, flat in zip(self.layouts, self.params, strict=True)
+        ]
 
     def stacked(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A [n, R, in], B*scaling [n, out, R]) for projection `key`, ranks zero-padded to R."""
         pairs = []
-        for layout, flat in zip(self.layouts, self.params, strict=True):
-            views = layout.views(flat)
+        for layout, views in zip(self.layouts, self._views, strict=True):
             if key not in views:
                 return None
             a, b = views[key]

@@ -69,6 +69,16 @@ class LoRALayout:
             out[key] = (a, b)
         return out
 
+    def split_views(self, flat: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Like `views`, but made with one `split`, so backward gathers all gradients in one
+        concatenation instead of one full-size buffer per slice (use it inside autograd)."""
+        sizes = [n for _, _, sa, _, sb in self.entries for n in (sa[0] * sa[1], sb[0] * sb[1])]
+        pieces = flat.split(sizes)
+        return {
+            key: (pieces[2 * i].view(sa), pieces[2 * i + 1].view(sb))
+            for i, (key, _, sa, _, sb) in enumerate(self.entries)
+        }
+
     def to_weights(self, flat: torch.Tensor) -> LoRAWeights:
         """A detached fp32 copy as `LoRAWeights` (what the engine and the registry take)."""
         copy = flat.detach().to("cpu", torch.float32, copy=True)
