@@ -8,6 +8,12 @@ engine on a tiny random Llama; the trajectory store is SQLite under tmp_path.
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads: idle OpenMP threads sleep instead of spinning, as `clora` sets it
+# (engine, trainer and server threads share two cores in these tests).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import socket
 import threading
 import time
