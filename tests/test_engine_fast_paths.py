@@ -3,6 +3,8 @@
 - `add_lora_delta_` / `lora_delta` (grouped per-slot matmuls, in-order and
   gathered rows, slot runs with holes, gathered slots, several tokens per row)
   against `lora_delta_reference`, with B stored both ways.
+- `add_lora_update_` (B in block form, as `LoRASlots` writes it, for every
+  mix of targeted members) against the same reference on the dense form.
 - `DenseKernels` (blocked fp32, oneDNN-packed bf16) against `F.linear`, for
   every batch size the engine uses.
 - `LoRAModel.decode` (rows in any order, equal or different positions, so with
@@ -18,8 +20,15 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from clora_feedback.engine.model import DenseKernels, KVCache, LoRAModel
-from clora_feedback.lora.ops import LoRABatch, add_lora_delta_, lora_delta, lora_delta_reference
+from clora_feedback.engine.dense import DenseKernels
+from clora_feedback.engine.model import KVCache, LoRAModel, LoRASlots
+from clora_feedback.lora.ops import (
+    LoRABatch,
+    add_lora_delta_,
+    add_lora_update_,
+    lora_delta,
+    lora_delta_reference,
+)
 from clora_feedback.models.tiny import build_tiny_model_dir
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -79,6 +88,43 @@ def test_fast_lora_update_on_2d_rows() -> None:
     y = torch.zeros(4, 11)
     add_lora_delta_(y, x, a, b, batch)
     torch.testing.assert_close(y, lora_delta_reference(x.unsqueeze(1), a, b, batch.slot_ids)[:, 0])
+
+
+SLOT_PATTERNS = [[2, 2, 2], [1, 2, 3], [1, 1, 3, 3], [3, 1, 1, 2], [1, 0, 3, 1], [7, 1, 7]]
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("slots", SLOT_PATTERNS)
+@pytest.mark.parametrize(
+    "chosen",
+    [("q", "k", "v"), ("q", "v"), ("k", "v"), ("gate", "up"), ("up",)],
+)
+def test_block_form_update_matches_reference(
+    chosen: tuple[str, ...], slots: list[int], tokens: int
+) -> None:
+    members = (
+        [("gate", 8), ("up", 8)] if chosen[0] in ("gate", "up") else [("q", 8), ("k", 4), ("v", 4)]
+    )
+    lora = LoRASlots(members, chosen, 10, 8, 4, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(len(chosen) * 10 + len(slots))
+    for slot in range(1, 8):
+        rank = 1 + slot % 4  # ranks below max_rank are zero-padded
+        pieces = {
+            name: (torch.randn(rank, 10, generator=gen), torch.randn(out, rank, generator=gen))
+            for name, out in members
+            if name in chosen
+        }
+        lora.write(slot, pieces, scaling=0.5)
+    dense = lora.dense_b()
+    assert dense.shape == (8, sum(out for _, out in members), 4 * len(chosen))
+    x = torch.randn(len(slots), tokens, 10, generator=gen)
+    batch = LoRABatch.from_slots(slots)
+    base = torch.randn(len(slots), tokens, dense.shape[1], generator=gen)
+    y = base.clone()
+    add_lora_update_(y, x, lora.a, lora.blocks, batch)
+    ref = lora_delta_reference(x, lora.a, dense, batch.slot_ids)
+    assert ref.abs().max() > 0
+    torch.testing.assert_close(y, base + ref)
 
 
 def _kernels(dtype: torch.dtype) -> list[str]:

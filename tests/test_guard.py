@@ -57,6 +57,7 @@ def test_student_t_tail_matches_closed_forms_and_tables() -> None:
 
 def test_welch_matches_scipy() -> None:
     from scipy import stats  # a dev dependency: the reference implementation
+
     rng = random.Random(7)
     parent = [rng.gauss(0.7, 0.3) for _ in range(37)]
     new = [rng.gauss(0.5, 0.1) for _ in range(52)]

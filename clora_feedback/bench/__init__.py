@@ -1,20 +1,48 @@
 """Benchmarks behind `clora bench WHAT`: measured ratios printed as a table.
 
-`run_bench("serve", argv)` runs the serving benchmarks (`clora_feedback.bench.serve`).
-Benchmarks are programs, not tests: they are never collected by pytest and
-their figures are recorded in `docs/benchmarks.md`.
+`run_bench(what, argv)` runs module `clora_feedback.bench.<what>`'s
+`run(argv)`: `serve` (serving engine and gateway), `train` and `ingest`.
+Benchmarks are programs, not tests: their figures are recorded in
+`docs/benchmarks.md`.
 """
 
 from __future__ import annotations
 
-BENCHMARKS = ("serve",)
+import importlib
+import os
+import sys
+
+BENCHMARKS = ("serve", "train", "ingest")
 """The names `run_bench` accepts."""
+
+OMP_WAIT_POLICIES = ("passive", "active", "inherit")
+"""Values of `--omp-wait-policy` (`inherit`: leave OMP_WAIT_POLICY as the environment has it)."""
+
+
+def apply_omp_wait_policy(argv: list[str]) -> None:
+    """Set OMP_WAIT_POLICY from `--omp-wait-policy` (default passive) before torch loads.
+
+    OpenMP reads the variable once, when torch is first imported, so this must
+    run first. PASSIVE makes idle OpenMP threads sleep instead of spinning;
+    with other processes on the cores, spinning threads stall each other
+    (see docs/benchmarks.md). Too late once torch is imported: then nothing changes.
+    """
+    policy = "passive"
+    for i, arg in enumerate(argv):
+        if arg == "--omp-wait-policy" and i + 1 < len(argv):
+            policy = argv[i + 1]
+        elif arg.startswith("--omp-wait-policy="):
+            policy = arg.split("=", 1)[1]
+    if policy != "inherit" and "torch" not in sys.modules:
+        os.environ["OMP_WAIT_POLICY"] = policy.upper()
 
 
 def run_bench(what: str, argv: list[str]) -> int:
     """Run benchmark `what` with its own command-line options `argv`; returns an exit code."""
+    if what not in BENCHMARKS:
+        raise SystemExit(f"unknown benchmark {what!r}; choose from {', '.join(BENCHMARKS)}")
     if what == "serve":
-        from clora_feedback.bench.serve import main
-
-        return main(argv)
-    raise SystemExit(f"unknown benchmark {what!r}; choose from {', '.join(BENCHMARKS)}")
+        apply_omp_wait_policy(argv)
+    module = importlib.import_module(f"clora_feedback.bench.{what}")
+    result: int = module.run(argv)
+    return result

@@ -40,9 +40,22 @@ class HFBaseline:
             )
         return [row[ids.shape[1] :].tolist() for row in out]
 
-    def tokens_per_s(self, prompt: Sequence[int], batch: int, new_tokens: int) -> float:
-        """Generated tokens per second of wall time (prefill included, like the engine's)."""
+    def timed(self, prompt: Sequence[int], batch: int, new_tokens: int) -> float:
+        """Wall seconds to generate `new_tokens` for `batch` copies of `prompt`."""
         start = time.perf_counter()
         out = self.generate(prompt, batch, new_tokens)
         wall = time.perf_counter() - start
-        return sum(len(row) for row in out) / wall
+        if any(len(row) != new_tokens for row in out):
+            raise RuntimeError("generate() stopped early")
+        return wall
+
+    def rates(self, prompt: Sequence[int], batch: int, new_tokens: int) -> tuple[float, float]:
+        """(tokens/s of wall time, decode-only tokens/s).
+
+        Decode-only subtracts a one-token generate (prefill + first token), so it
+        counts the `new_tokens - 1` later tokens over the time they took.
+        """
+        total = self.timed(prompt, batch, new_tokens)
+        first = self.timed(prompt, batch, 1)
+        decode = batch * (new_tokens - 1) / (total - first) if total > first else float("nan")
+        return batch * new_tokens / total, decode

@@ -1,12 +1,14 @@
 """Support triage: generated tickets with a hidden correct team, and the operator who judges routing.
 
-A ticket is rendered from a template written for one team (billing, shipping,
-technical, account), so its correct team is known by construction and never
+A ticket is rendered from a template written for one team (payment,
+delivery, technical, account: each a single token of the default model's
+vocabulary, so a reply's first token decides its routing), so its correct team is known by construction and never
 shown to the agent. Templates carry the team's keyword cues ("charged twice",
 "tracking number", "error code", "reset my password") and slots filled from
 word lists. The filler lists (products, amounts, devices, ...) are split in
 two: training tickets draw from one half, held-out tickets from the other,
-so no held-out ticket was ever seen verbatim in training.
+and every template has at least one slot, so no held-out ticket was ever
+seen verbatim in training.
 
 The agent is asked to answer with the team name only. `route_of` reads its
 routing the way a helpdesk macro would: the first word of the reply, which
@@ -25,18 +27,28 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-TEAMS: tuple[str, ...] = ("billing", "shipping", "technical", "account")
+TEAMS: tuple[str, ...] = ("payment", "delivery", "technical", "account")
 """Teams a ticket can be routed to."""
 
 Split = Literal["train", "eval"]
 
 SYSTEM_PROMPT = (
-    "You route customer support tickets to a team. The teams are: billing, shipping, "
-    "technical, account. Answer with the team name only."
+    "Route each ticket to one team: payment, delivery, technical or account. "
+    "Reply with the team name only."
 )
 
+EXAMPLES: tuple[tuple[str, str], ...] = (
+    ("I was charged twice.", "payment"),
+    ("My order never arrived.", "delivery"),
+    ("I can't log in.", "account"),
+    ("The app shows an error.", "technical"),
+)
+"""Four worked examples shown before every ticket as earlier chat turns (few-shot):
+they fix the reply format, which a 135M model does not follow from the instruction
+alone (measured: almost no zero-shot reply starts with a team name)."""
+
 _TEMPLATES: dict[str, tuple[str, ...]] = {
-    "billing": (
+    "payment": (
         "I was charged twice for my {product} this month. Please refund the extra {amount}.",
         "My invoice for the {product} shows {amount} but the price was lower. Why?",
         "The payment for my {product} failed but my card was still debited {amount}.",
@@ -44,7 +56,7 @@ _TEMPLATES: dict[str, tuple[str, ...]] = {
         "Why does my bank statement show a {amount} charge from you I don't recognise?",
         "I need a receipt for the {amount} I paid for the {product}.",
     ),
-    "shipping": (
+    "delivery": (
         "My {product} still hasn't arrived after {days} days. Where is my package?",
         "The tracking number for my {product} hasn't updated in {days} days.",
         "The courier left my {product} at the wrong address.",
@@ -61,11 +73,11 @@ _TEMPLATES: dict[str, tuple[str, ...]] = {
         "The {device} app freezes when I upload a photo. Error {code}.",
     ),
     "account": (
-        "I forgot my password and the reset email never comes.",
+        "I forgot my password and the reset email never reaches my {device}.",
         "Please change the email address on my account to {email}.",
-        "I want to delete my account and all my data.",
-        "My account is locked after too many login attempts.",
-        "How do I turn on two-factor authentication for my account?",
+        "I want to delete my account and all my data, including my {product} orders.",
+        "My account is locked after {days} failed login attempts.",
+        "How do I turn on two-factor authentication for my account on {device}?",
         "Someone else may have logged into my account from {city}.",
     ),
 }
@@ -108,11 +120,14 @@ class Ticket:
     template: int
 
     def messages(self) -> list[dict[str, str]]:
-        """The chat messages the agent receives."""
-        return [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Ticket: {self.text}"},
-        ]
+        """The chat messages the agent receives: instruction, worked examples, the ticket."""
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        for question, team in EXAMPLES:
+            messages += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": team},
+            ]
+        return [*messages, {"role": "user", "content": self.text}]
 
 
 def _fillers(name: str, split: Split) -> tuple[str, ...]:
@@ -125,9 +140,7 @@ def make_ticket(rng: random.Random, split: Split, index: int) -> Ticket:
     """One ticket: a random team, one of its templates, slots filled from `split`'s fillers."""
     team = rng.choice(TEAMS)
     template = rng.randrange(len(_TEMPLATES[team]))
-    text = _SLOT.sub(
-        lambda m: rng.choice(_fillers(m.group(1), split)), _TEMPLATES[team][template]
-    )
+    text = _SLOT.sub(lambda m: rng.choice(_fillers(m.group(1), split)), _TEMPLATES[team][template])
     return Ticket(id=f"{split}-{index}", text=text, team=team, template=template)
 
 

@@ -13,9 +13,7 @@ Not here: scheduling, sampling, tokenisation (see `embedded`, `sampling`).
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +21,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from clora_feedback.engine.dense import DenseKernels
 from clora_feedback.errors import AdapterError, InvalidRequestError
-from clora_feedback.lora.ops import LoRABatch, add_lora_delta_, lora_delta
+from clora_feedback.lora.ops import (
+    LoRABatch,
+    LoRAOutputBlock,
+    add_lora_update_,
+    blocks_to_dense,
+)
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights, module_key
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -116,12 +120,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LoRASlots:
     """Adapter slot buffers for one fused projection group of one layer.
 
-    `a` is [S, R_g, in] and `b` is [S, out_g, R_g], where R_g stacks one
-    `max_rank` block per targeted member projection, out_g covers every member
-    of the group (rows of untargeted members stay zero) and `b` is
-    block-diagonal, so a fused q/k/v (or gate/up) update is a single matmul
-    pair. `b` is a transposed view of an [S, R_g, out_g] buffer, so each
-    slot's B^T streams contiguously (see `clora_feedback.lora.ops`).
+    `a` is [S, R_g, in], where R_g stacks one `max_rank` block per targeted
+    member projection, so the "shrink" of a fused q/k/v (or gate/up) update is
+    one matmul. B is kept in block form (`blocks`, see
+    `clora_feedback.lora.ops.LoRAOutputBlock`): consecutive targeted members
+    of equal output width share one [S, members, R, width] buffer of B^T, so a
+    step reads no zeros and each slot's B^T streams contiguously. Members that
+    are not targeted have no block (their outputs get no update).
     """
 
     def __init__(
@@ -136,31 +141,51 @@ class LoRASlots:
     ):
         self.members = [(name, out) for name, out in members if name in chosen]
         self.max_rank = max_rank
-        self._offsets: dict[str, int] = {}  # member -> first row in the group output
-        offset = 0
+        self.out_features = sum(out for _, out in members)
+        specs: list[list[int]] = []  # [column, rank, width, count] per block
+        self._place: dict[str, tuple[int, int]] = {}  # member -> (block, index in block)
+        column, targeted, extend = 0, 0, False
         for name, out in members:
-            self._offsets[name] = offset
-            offset += out
-        rank = max_rank * len(self.members)
-        self.a = torch.zeros(num_slots, rank, fan_in, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, rank, offset, dtype=dtype, device=device).transpose(1, 2)
+            if name in chosen:
+                if extend and specs[-1][2] == out:
+                    specs[-1][3] += 1
+                else:
+                    specs.append([column, targeted * max_rank, out, 1])
+                self._place[name] = (len(specs) - 1, specs[-1][3] - 1)
+                targeted += 1
+            extend = name in chosen
+            column += out
+        self.a = torch.zeros(num_slots, max_rank * targeted, fan_in, dtype=dtype, device=device)
+        self.blocks = [
+            LoRAOutputBlock(
+                col,
+                rank,
+                torch.zeros(num_slots, count, max_rank, width, dtype=dtype, device=device),
+            )
+            for col, rank, width, count in specs
+        ]
 
     def write(
         self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float
     ) -> None:
         """Copy one adapter's matrices into `slot` (missing members stay zero)."""
         self.clear(slot)
-        for m, (name, out) in enumerate(self.members):
+        for m, (name, _) in enumerate(self.members):
             if name in pieces:
                 a, b = pieces[name]
                 r = a.shape[0]
-                lo, row = m * self.max_rank, self._offsets[name]
-                self.a[slot, lo : lo + r].copy_(a)
-                self.b[slot, row : row + out, lo : lo + r].copy_(b * scaling)
+                self.a[slot, m * self.max_rank : m * self.max_rank + r].copy_(a)
+                block, j = self._place[name]
+                self.blocks[block].bt[slot, j, :r].copy_((b * scaling).t())
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        for block in self.blocks:
+            block.bt[slot].zero_()
+
+    def dense_b(self) -> torch.Tensor:
+        """B as one block-diagonal [S, out_g, R_g] tensor (the reference layout)."""
+        return blocks_to_dense(self.blocks, self.out_features, self.a.shape[1])
 
 
 class KVCache:
@@ -173,115 +198,6 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-
-
-class DenseKernels:
-    """How the serving fast path multiplies by each base weight (inference only).
-
-    `layers[i][group](x)` computes x [N, in] @ W.T for the layer's fused weight
-    W [out, in], `lm_head(x)` the vocabulary projection. The plain weights stay
-    in `LoRAModel.layers` for the differentiable path; a kernel may hold
-    another copy in a layout the CPU multiplies faster (see `build`).
-    """
-
-    def __init__(self, layers: list[dict[str, Linear]], lm_head: Linear, name: str):
-        self.layers = layers
-        self.lm_head = lm_head
-        self.name = name
-
-    @classmethod
-    def build(
-        cls, layers: list[dict[str, torch.Tensor]], lm_head: torch.Tensor, kernel: str = "auto"
-    ) -> DenseKernels:
-        """Pick the kernel for these weights' dtype and device.
-
-        - `packed` (bf16 on CPU with oneDNN): each weight pre-packed once into
-          oneDNN's blocked layout (a second copy); ~1.5x faster than `F.linear`.
-        - `blocked` (fp32 on CPU): no copy; for 4..15 rows the product runs as
-          one batched matmul over 64-row blocks of W, which MKL streams ~1.5x
-          (lm_head ~2.4x) faster than its small-M GEMM; other sizes use `F.linear`.
-        - `linear`: `F.linear` on the plain weights (CUDA, other dtypes).
-
-        A non-plain kernel is checked against `F.linear` on the first weight and
-        replaced by `linear` if it disagrees or fails.
-        """
-        if kernel == "auto":
-            kernel = "linear"
-            if lm_head.device.type == "cpu" and lm_head.dtype == torch.float32:
-                kernel = "blocked"
-            elif _packed_supported(lm_head):
-                kernel = "packed"
-        make = {"packed": _packed, "blocked": _blocked, "linear": _plain}[kernel]
-        try:
-            built = cls(
-                [{g: make(w) for g, w in _dense_items(layer)} for layer in layers],
-                make(lm_head),
-                kernel,
-            )
-            if kernel == "linear" or _agrees(built.layers[0]["qkv"], layers[0]["qkv"]):
-                return built
-        except RuntimeError:
-            pass
-        return cls.build(layers, lm_head, "linear")
-
-
-Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _dense_items(layer: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    return [(g, layer[g]) for g, _ in GROUPS]
-
-
-def _plain(w: torch.Tensor) -> Linear:
-    return functools.partial(F.linear, weight=w)
-
-
-_BLOCK_ROWS = 64
-_BLOCKED_BATCH = range(4, 16)  # where MKL's own small-M GEMM is slowest (measured)
-
-
-def _blocked(w: torch.Tensor) -> Linear:
-    out, fan_in = w.shape
-    if out % _BLOCK_ROWS:
-        return _plain(w)
-    blocks = w.view(out // _BLOCK_ROWS, _BLOCK_ROWS, fan_in).transpose(1, 2)  # [C, in, 64]
-
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        if x.dim() != 2 or n not in _BLOCKED_BATCH:
-            return F.linear(x, w)
-        # [C, n, in] (a stride-0 view) @ [C, in, 64] -> [C, n, 64] -> [n, out]
-        y = torch.bmm(x.expand(blocks.shape[0], n, fan_in), blocks)
-        return y.transpose(0, 1).reshape(n, out)
-
-    return linear
-
-
-def _packed_supported(w: torch.Tensor) -> bool:
-    return (
-        w.dtype == torch.bfloat16
-        and w.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
-def _packed(w: torch.Tensor) -> Linear:
-    blocked = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    pointwise = torch.ops.mkldnn._linear_pointwise
-
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        return pointwise(x, blocked, None, "none", [], "")
-
-    return linear
-
-
-def _agrees(kernel: Linear, w: torch.Tensor) -> bool:
-    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-    with torch.inference_mode():
-        want = F.linear(x.float(), w.float())
-        got = kernel(x).float()
-    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
 
 
 @dataclass
@@ -424,7 +340,9 @@ class LoRAModel:
                         self.device,
                     )
             self.slots.append(group_slots)
-        self._dense = DenseKernels.build(self.layers, self.lm_head)
+        self._dense = DenseKernels.build(
+            [{g: layer[g] for g, _ in GROUPS} for layer in self.layers], self.lm_head
+        )
         inv_freq = 1.0 / (
             config.rope_theta
             ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
@@ -499,10 +417,10 @@ class LoRAModel:
         """x [B, T, in] -> [B, T, out]: base projection plus each row's LoRA update."""
         y = F.linear(x, self.layers[layer][group], self.layers[layer].get(f"{group}_bias"))
         slots = self.slots[layer].get(group)
-        if slots is not None:
-            delta = lora_delta(x, slots.a, slots.b, lora)
-            if delta is not None:
-                y = y + delta
+        if slots is not None and not lora.is_base_only:
+            delta = torch.zeros_like(y)
+            add_lora_update_(delta, x, slots.a, slots.blocks, lora)
+            y = y + delta
         return y
 
     def _mlp(self, x: torch.Tensor, i: int, lora: LoRABatch) -> torch.Tensor:
@@ -542,7 +460,7 @@ class LoRAModel:
             y += bias
         slots = self.slots[layer].get(group)
         if slots is not None:
-            add_lora_delta_(y, x, slots.a, slots.b, lora)
+            add_lora_update_(y, x, slots.a, slots.blocks, lora)
         return y
 
     def _fast_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -5,29 +5,36 @@ Adapters live in preallocated slot buffers (see `clora_feedback.engine.model`):
 adapter"), lower ranks zero-padded to R, the alpha/r scaling folded into B.
 
 `lora_delta_reference` is the plain-torch definition (gather each row's A and
-B, batched matmul). `lora_delta` and `add_lora_delta_` are the fast paths used
-by the engine; `tests/test_lora_engine_vs_peft.py` checks that they agree.
+B, batched matmul). `lora_delta` and `add_lora_delta_` are the fast paths for
+that layout; `tests/test_engine_fast_paths.py` checks that they agree.
 
 Semantics (all three functions):
     delta[b, t, :] = x[b, t, :] @ a_slots[slot_ids[b]].T @ b_slots[slot_ids[b]].T
 
-How the fast path mixes adapters without a per-row gather of A and B: rows
+The engine stores B of a fused projection (q/k/v, gate/up) in block form
+instead (`LoRAOutputBlock`, `add_lora_update_`): B of a fused group is
+block-diagonal (member j's output only reads member j's ranks), so storing it
+densely would make every step read 2-3x zeros. A block holds the B^T of
+consecutive members of equal output width, [S, members, R, out]; the
+semantics are those of the dense form, `blocks_to_dense`.
+
+How the fast paths mix adapters without a per-row gather of A and B: rows
 are grouped by slot (once per batch, see `LoRABatch.mix_plan`), and the
-update is two batched matmuls over the slots in use, [n, m, in] @ A^T ->
-[n, m, R] @ B^T -> [n, m, out] (n slots, m rows per slot), scattered back to
-the rows with `index_add_`. Each slot's A and B are read once, streamed in
-their stored layout, never copied; when the slots in use form a run lo..hi the
-operands are views. On CPU this streams adapter bytes ~3x faster than one
-dense [B, n*R] matmul (which repacks the whole [n*R, out] operand per call)
-and ~5x faster than gathering per-row copies. `b_slots` is best a transposed
-view of an [S, R, out] buffer (the engine's layout): B^T of each slot is then
-contiguous.
+update is batched matmuls over the slots in use, [n, m, in] @ A^T ->
+[n, m, R] @ B^T -> [n, m, out] (n slots, m rows per slot), added in place
+when the rows are already grouped, else scattered back with `index_add_`.
+Each slot's A and B are read once, streamed in their stored layout, never
+copied; when the slots in use form a run lo..hi the operands are views. On
+CPU this streams adapter bytes ~3x faster than one dense [B, n*R] matmul
+(which repacks the whole [n*R, out] operand per call) and ~5x faster than
+gathering per-row copies.
 
 Not here: slot bookkeeping, file formats.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -184,12 +191,7 @@ def add_lora_delta_(
         y2.addmm_(shrunk, b_slots[batch.uniform_slot].t())
         return
     plan = batch.mix_plan(x2.shape[0] // batch.slot_ids.shape[0])
-    if plan.index is None:
-        a = a_slots[plan.lo : plan.hi + 1]  # [n, R, in]
-        b = b_slots[plan.lo : plan.hi + 1]  # [n, out, R]
-    else:
-        a = a_slots.index_select(0, plan.index)
-        b = b_slots.index_select(0, plan.index)
+    a, b = _plan_slots(a_slots, plan), _plan_slots(b_slots, plan)  # [n, R, in], [n, out, R]
     if plan.in_order:  # rows already grouped by slot: no gather, accumulate in place
         shrunk = torch.bmm(x2.view(plan.n, plan.m, fan_in), a.transpose(1, 2))  # [n, m, R]
         y2.view(plan.n, plan.m, fan_out).baddbmm_(shrunk, b.transpose(1, 2))
@@ -216,3 +218,114 @@ def lora_delta(
     out = x.new_zeros(*x.shape[:-1], b_slots.shape[1])
     add_lora_delta_(out, x, a_slots, b_slots, batch)
     return out
+
+
+@dataclass(frozen=True)
+class LoRAOutputBlock:
+    """B of consecutive members of a fused projection that share an output width.
+
+    Attributes:
+        column: first output column of the block in the fused projection.
+        rank: first shrink column (row of A) of the block's first member.
+        bt: [S, members, R, width] B^T per slot and member, alpha/r folded in,
+            ranks zero-padded to R; member j owns output columns
+            column + j*width ... and shrink columns rank + j*R ...
+    """
+
+    column: int
+    rank: int
+    bt: torch.Tensor
+
+    @property
+    def members(self) -> int:
+        return self.bt.shape[1]
+
+    @property
+    def max_rank(self) -> int:
+        return self.bt.shape[2]
+
+    @property
+    def width(self) -> int:
+        return self.bt.shape[3]
+
+
+def blocks_to_dense(
+    blocks: Sequence[LoRAOutputBlock], out_features: int, rank: int
+) -> torch.Tensor:
+    """The dense block-diagonal [S, out_features, rank] form of `blocks` (the reference)."""
+    first = blocks[0].bt
+    dense = first.new_zeros(first.shape[0], out_features, rank)
+    for blk in blocks:
+        for j in range(blk.members):
+            c, r = blk.column + j * blk.width, blk.rank + j * blk.max_rank
+            dense[:, c : c + blk.width, r : r + blk.max_rank] = blk.bt[:, j].transpose(1, 2)
+    return dense
+
+
+def _plan_slots(buffer: torch.Tensor, plan: _MixPlan) -> torch.Tensor:
+    """The plan's slots of a per-slot buffer: a view of the run, or a gather."""
+    if plan.index is None:
+        return buffer[plan.lo : plan.hi + 1]
+    return buffer.index_select(0, plan.index)
+
+
+def add_lora_update_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_slots: torch.Tensor,
+    blocks: Sequence[LoRAOutputBlock],
+    batch: LoRABatch,
+) -> None:
+    """In place: `y += delta` for B in block form.
+
+    Same result as `add_lora_delta_(y, x, a_slots, blocks_to_dense(...), batch)`.
+
+    Args:
+        y: [B, T, out] or [B, out] contiguous base projection output (modified).
+        x: [B, T, in] or [B, in] activations.
+        a_slots: [S, R_g, in] stacked A matrices of every member.
+        blocks: the output blocks of the members that carry LoRA weights.
+        batch: the slot of each of the B rows.
+    """
+    if batch.uniform_slot == 0 or not blocks:
+        return
+    fan_in, fan_out = x.shape[-1], y.shape[-1]
+    x2 = x.reshape(-1, fan_in)
+    y2 = y.view(-1, fan_out)
+    if batch.uniform_slot is not None:
+        slot = batch.uniform_slot
+        shrunk = x2 @ a_slots[slot].t()  # [N, R_g]
+        for blk in blocks:
+            k, r, w = blk.members, blk.max_rank, blk.width
+            cols = y2[:, blk.column : blk.column + k * w]
+            if k == 1:
+                cols.addmm_(shrunk[:, blk.rank : blk.rank + r], blk.bt[slot, 0])
+            else:  # [k, N, R] @ [k, R, w] -> [k, N, w]
+                part = shrunk[:, blk.rank : blk.rank + k * r].view(-1, k, r).transpose(0, 1)
+                cols.view(-1, k, w).add_(torch.bmm(part, blk.bt[slot]).transpose(0, 1))
+        return
+    plan = batch.mix_plan(x2.shape[0] // batch.slot_ids.shape[0])
+    n, m = plan.n, plan.m
+    a = _plan_slots(a_slots, plan)
+    if plan.in_order:  # rows already grouped by slot: no gather, accumulate in place
+        grouped = x2.view(n, m, fan_in)
+        target = y2
+    else:
+        grouped = x2.index_select(0, plan.rows).view(n, m, fan_in)
+        if plan.padded is not None:
+            grouped = grouped * batch.mix_padding(plan, x.dtype)
+        target = y2.new_zeros(n * m, fan_out)
+    shrunk = torch.bmm(grouped, a.transpose(1, 2))  # [n, m, R_g]
+    for blk in blocks:
+        k, r, w = blk.members, blk.max_rank, blk.width
+        bt = _plan_slots(blk.bt, plan)  # [n, k, R, w]
+        cols = target[:, blk.column : blk.column + k * w].view(n, m, k, w)
+        if k == 1:
+            cols[:, :, 0].add_(torch.bmm(shrunk[:, :, blk.rank : blk.rank + r], bt[:, 0]))
+        else:  # members as extra batch entries: [n*k, m, R] @ [n*k, R, w]
+            part = shrunk[:, :, blk.rank : blk.rank + k * r].reshape(n, m, k, r)
+            part = part.transpose(1, 2).reshape(n * k, m, r)
+            update = torch.bmm(part, bt.reshape(n * k, r, w)).view(n, k, m, w)
+            cols.add_(update.transpose(1, 2))
+    if not plan.in_order:
+        y2.index_add_(0, plan.rows, target)

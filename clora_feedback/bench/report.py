@@ -1,0 +1,99 @@
+"""How the training and ingestion benchmarks report: result rows, a Markdown table, machine facts.
+
+Every row compares a measurement with a baseline taken in the same run, so
+the ratio is meaningful even on a machine shared with other work; the table
+is Markdown so it can be pasted into `docs/benchmarks.md` as printed.
+
+Not here: any measurement (see `train`, `ingest`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
+
+COLUMNS = ("#", "measurement", "result", "baseline (same run)", "ratio", "goal", "met")
+"""Header of every benchmark table (one cell per `Row` field, in order)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a benchmark table.
+
+    Attributes:
+        key: short id (`1`, `2b`, ...) that the docs refer to.
+        measurement: what was measured, and how.
+        result: the figure under test.
+        baseline: the reference figure from the same run.
+        ratio: result against baseline, in the goal's terms.
+        goal: the target, or `-` when the row is informative only.
+        met: `yes`, `no`, or `-` (no goal).
+    """
+
+    key: str
+    measurement: str
+    result: str
+    baseline: str
+    ratio: str
+    goal: str = "-"
+    met: str = "-"
+
+
+def verdict(ok: bool | None) -> str:
+    """`yes`/`no` for a goal check, `-` when there is no goal."""
+    return "-" if ok is None else ("yes" if ok else "no")
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """A Markdown table with a header and one line per row, columns padded to align."""
+    cells = [list(COLUMNS)] + [[str(c) for c in astuple(r)] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+
+    def line(values: Sequence[str]) -> str:
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), rule, *(line(c) for c in cells[1:])])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, `q` in [0, 100]; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine_facts() -> dict[str, str]:
+    """CPU, cores, load, versions: what a reader needs to judge the figures."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    facts = {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "load average (1, 5, 15 min)": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:  # only when the benchmark uses it: ingestion does not import torch
+        facts["torch"] = f"{torch.__version__} ({torch.get_num_threads()} threads)"
+    return facts
+
+
+def format_facts(facts: dict[str, str]) -> str:
+    return "\n".join(f"- {k}: {v}" for k, v in facts.items())

@@ -1,0 +1,44 @@
+"""Smoke run of `clora bench serve` on the tiny model: every measurement runs, the table has its rows.
+
+Never the figures: a tiny random model on a shared CPU says nothing about speed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from clora_feedback.bench import run_bench
+from clora_feedback.models.tiny import build_tiny_model_dir
+
+
+def test_serve_bench_quick_runs_every_measurement(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
+    argv = ["--quick", "--model", str(model_dir), "--new-tokens", "4", "--agent-tokens", "3"]
+    argv += ["--gateway-reps", "3", "--json", str(tmp_path / "serve.json"), "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert run_bench("serve", argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # --threads is process-wide
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip()[:2] for r in rows[1:]] == [
+        "1.",
+        "2.",
+        "3.",
+        "3.",
+        "3.",
+        "3.",
+        "4.",
+    ]
+    assert "nan" not in out and "WARNING" not in out
+    results = json.loads((tmp_path / "serve.json").read_text())["results"]
+    for key in ("mixed_ratio", "multiplex_ratio", "decode_speedup_single", "speedup_batch8"):
+        assert results[key] > 0
+    assert results["gateway_http_ms"] > 0
