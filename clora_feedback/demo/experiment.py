@@ -74,6 +74,7 @@ class ExperimentConfig:
         corrections: tool-use only: a developer also corrects failed episodes.
         train_pool: size of the training task pool each step samples from.
         max_num_seqs: engine decode batch.
+        max_model_len: engine context (the KV cache is preallocated for it).
         num_threads: torch threads (None: all cores).
     """
 
@@ -92,6 +93,7 @@ class ExperimentConfig:
     corrections: bool = False
     train_pool: int = 512
     max_num_seqs: int = 32
+    max_model_len: int = 768
     num_threads: int | None = None
 
     def workload_instance(self) -> Workload:
@@ -167,7 +169,7 @@ def service_settings(
             model=str(model_dir),
             max_num_seqs=cfg.max_num_seqs,
             max_waiting=4096,
-            max_model_len=1024,
+            max_model_len=cfg.max_model_len,
             max_lora_rank=max(16, cfg.rank),
             num_threads=cfg.num_threads,
         ),
