@@ -1,4 +1,4 @@
-"""The `clora` command line: `clora serve`, `clora bench ...`.
+"""The `clora` command line: `serve`, `demo`, `feedback`, `adapters`, `bench`.
 
 Argument parsing only; each subcommand hands typed settings to the component
 that does the work. Environment variables are read by `clora_feedback.config`.
@@ -25,6 +25,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from clora_feedback.demo.runner import run
+
+    return run(args.extra)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from clora_feedback.bench import run_bench
 
@@ -49,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
+    demo = sub.add_parser(
+        "demo",
+        help="Watch simulated users teach a support and a coding agent (`clora demo --help`).",
+        add_help=False,
+    )
+    # The demo parses its own options (`clora_feedback.demo.runner`); they arrive as leftovers.
+    demo.set_defaults(func=_demo, takes_extra=True)
+
     from clora_feedback.feedback.cli import add_feedback_parser
     from clora_feedback.train.cli import add_adapters_parser
 
@@ -69,7 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # process) share the cores, and spinning workers stall each other (docs/benchmarks.md).
     # OpenMP reads this once, when torch loads, which has not happened yet here.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "takes_extra", False):
+        args.extra = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -34,7 +34,7 @@ SUPPORT = ExperimentConfig(
     eval_tasks=48,
     eval_every=10,
     temperature=0.8,
-    lr=1e-3,
+    lr=7e-4,
     rank=8,
 )
 

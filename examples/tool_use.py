@@ -25,9 +25,9 @@ from clora_feedback.demo.proof import main
 TOOL_USE = ExperimentConfig(
     workload="tool-use",
     steps=20,
-    tasks_per_step=3,
+    tasks_per_step=2,
     samples_per_task=1,
-    eval_tasks=24,
+    eval_tasks=16,
     eval_every=10,
     temperature=0.8,
     lr=1e-3,

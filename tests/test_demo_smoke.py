@@ -42,3 +42,22 @@ def test_demo_learns_from_kafka_and_webhook_feedback(tiny_model_dir: Path, tmp_p
     table = (out / "versions.md").read_text()
     assert "| support | v1 |" in table and "| coding | v1 |" in table
     assert json.loads((out / "summary.json").read_text()) == summary
+
+
+@pytest.mark.slow
+def test_c_lora_experiment_runs_serial_and_concurrent(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`clora bench experiments` on the tiny model: cold-start children, the table, the record."""
+    from clora_feedback.bench.experiments import run
+
+    out = tmp_path / "experiments"
+    argv = ["--ns", "1,2", "--steps", "1", "--tasks-per-step", "1", "--threads", "1"]
+    argv += ["--model", str(tiny_model_dir), "--max-model-len", "2048", "--out", str(out)]
+    argv += ["--work", str(tmp_path / "work")]
+    assert run(argv) == 0
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert [r["n"] for r in record["rows"]] == [1, 2]
+    assert len(record["serial_walls_s"]) == 2
+    for row in record["rows"]:
+        assert row["speedup"] > 0 and row["step_s"] > 0 and row["rollout_s"] > 0
+        assert row["serial_makespan_s"] == pytest.approx(sum(record["serial_walls_s"][: row["n"]]))
+    assert "| 2 |" in out.with_suffix(".md").read_text()

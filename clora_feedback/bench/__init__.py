@@ -1,7 +1,8 @@
 """Benchmarks behind `clora bench WHAT`: measured ratios printed as a table.
 
 `run_bench(what, argv)` runs module `clora_feedback.bench.<what>`'s
-`run(argv)`: `serve` (serving engine and gateway), `train` and `ingest`.
+`run(argv)`: `serve` (serving engine and gateway), `train`, `ingest` and
+`experiments` (the C-LoRA experiment).
 Benchmarks are programs, not tests: their figures are recorded in
 `docs/benchmarks.md`.
 """
@@ -12,7 +13,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("serve", "train", "ingest")
+BENCHMARKS = ("serve", "train", "ingest", "experiments")
 """The names `run_bench` accepts."""
 
 OMP_WAIT_POLICIES = ("passive", "active", "inherit")

@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batched-agents", type=int, default=1, help="Agents per training pass.")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores).")
+    p.add_argument("--max-model-len", type=int, default=768, help="Engine context per sequence.")
     p.add_argument("--model", default="smollm2-135m-instruct", help="Base model name or directory.")
     p.add_argument("--model-cache", type=Path, default=None, help="Model cache (default var/models).")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("docs/results/experiments"), help="Output prefix.")  # fmt: skip
@@ -233,6 +234,7 @@ def run(argv: Sequence[str]) -> int:
         corrections=True,
         batched_agents=args.batched_agents,
         num_threads=args.threads,
+        max_model_len=args.max_model_len,
     )
     model_dir = resolve_model_dir(args.model, args.model_cache or Settings().model_cache_dir)
     work = args.work or Path(tempfile.mkdtemp(prefix="clora-bench-experiments-"))

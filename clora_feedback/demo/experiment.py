@@ -48,6 +48,7 @@ from clora_feedback.config import (
     Settings,
     TrainerConfig,
 )
+from clora_feedback.demo.heap import release_freed_memory
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import WORKLOADS, Episode, Sampling, Workload, episode_seed
 
@@ -334,6 +335,7 @@ def run_concurrent(
     """All seeds at once on one warm service, one agent per seed."""
     from clora_feedback.service import build_service
 
+    release_freed_memory()
     agents = [f"agent-{seed}" for seed in seeds]
     t0 = time.time()
     app = build_service(service_settings(model_dir, work_dir, cfg, agents))
@@ -367,6 +369,7 @@ def run_single(
     """One single-tenant experiment in a fresh service (cold start included in its timing)."""
     from clora_feedback.service import build_service
 
+    release_freed_memory()
     t0 = time.time()
     app = build_service(service_settings(model_dir, work_dir, cfg, ["agent"]))
     with LocalServer(app) as server:

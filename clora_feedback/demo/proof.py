@@ -163,11 +163,20 @@ def main(argv: Sequence[str], defaults: ExperimentConfig, *, goal: float | None,
     p.add_argument("--model-cache", type=Path, default=None, help="Model cache (default var/models).")  # fmt: skip
     p.add_argument("--work", type=Path, default=None, help="Scratch directory (default: temporary).")  # fmt: skip
     p.add_argument("--replot", action="store_true", help="Redraw from <out>.json; run nothing.")
+    p.add_argument("--merge", type=Path, action="append", default=[], metavar="JSON",
+                   help="With --replot: read these records (e.g. a serial and a concurrent run).")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="Override an ExperimentConfig field, e.g. --set steps=10.")  # fmt: skip
     args = p.parse_args(list(argv))
     if args.replot:
-        cfg, results = load_proof(args.out.with_suffix(".json"))
+        cfg, results = load_proof(args.out.with_suffix(".json")) if not args.merge else (None, {})
+        for path in args.merge:
+            cfg_i, more = load_proof(path)
+            if cfg is not None and cfg_i != cfg:
+                raise SystemExit(f"{path} was run with a different configuration")
+            cfg = cfg_i
+            results.update(more)
+        assert cfg is not None
         write_proof(args.out, cfg, results, goal=goal, title=title)
         return 0
     types = {f.name: f.type for f in fields(ExperimentConfig)}

@@ -51,6 +51,7 @@ from clora_feedback.config import (
     TrainerConfig,
 )
 from clora_feedback.demo.brokerhost import HostedBroker
+from clora_feedback.demo.heap import release_freed_memory
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import CodingWorkload, Sampling, SupportWorkload, Workload
 
@@ -398,6 +399,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             for db in ("trajectories.db", "registry.db"):
                 (config.data_dir / (db + suffix)).unlink(missing_ok=True)
     model_dir = resolve_model_dir(config.model, Settings().model_cache_dir)
+    release_freed_memory()
     print(f"clora demo: model {config.model}, agents {', '.join(config.agents)}; Ctrl-C stops.")
     broker = HostedBroker(config.data_dir / "kafka")
     bootstrap = broker.start()
