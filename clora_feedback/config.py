@@ -183,6 +183,12 @@ class TrainerConfig(BaseModel):
     batched_agents: int = Field(
         1, ge=1, description="Agents per forward/backward (1: serial swap steps, C-LoRA style)."
     )
+    nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="How much lower the trainer thread's CPU priority is than serving's (Linux; 0: same).",
+    )
     seed: int = 0
     guard: GuardConfig = Field(default_factory=GuardConfig)
 

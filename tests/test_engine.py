@@ -112,6 +112,55 @@ async def test_adapter_update_lands_between_steps_mid_stream(model_dir: Path) ->
         await engine.stop()
 
 
+async def test_staged_updates_serve_the_latest_weights_and_spare_the_neighbours(
+    model_dir: Path,
+) -> None:
+    """Updates are written into the spare slot off the step and flipped in: many in a row,
+    from another thread, while two agents decode, must leave each agent serving exactly
+    its latest weights (same tokens as a fresh engine holding only those)."""
+    limits_engine = _engine(model_dir)
+    limits = limits_engine.lora_limits
+    final = {"a": random_lora_weights(limits, seed=40), "b": random_lora_weights(limits, seed=41)}
+    prompt = limits_engine.tokenizer.encode("the quick brown fox")
+    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+    async def tokens_of(engine: EmbeddedEngine, agent: str, rid: str) -> list[int]:
+        return _tokens(await engine.add_request(_req(rid, agent, prompt, **greedy)).collect())
+
+    fresh = _engine(model_dir)
+    await fresh.start()
+    try:
+        for agent, weights in final.items():
+            fresh.set_adapter(agent, 9, weights)
+        expected = {agent: await tokens_of(fresh, agent, f"x-{agent}") for agent in final}
+    finally:
+        await fresh.stop()
+
+    engine = _engine(model_dir)
+    await engine.start()
+    try:
+        engine.set_adapter("a", 1, random_lora_weights(limits, seed=1))
+        engine.set_adapter("b", 1, final["b"])
+        long = {"max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+        streams = {a: engine.add_request(_req(f"long-{a}", a, prompt, **long)) for a in "ab"}
+
+        def publish_many() -> None:
+            for version in range(2, 8):
+                engine.set_adapter("a", version, random_lora_weights(limits, seed=version))
+            engine.set_adapter("a", 8, final["a"])
+
+        collected = await asyncio.gather(
+            asyncio.to_thread(publish_many), *(s.collect() for s in streams.values())
+        )
+        versions_a = [t.adapter_version for c in collected[1] for t in c.tokens]
+        assert versions_a == sorted(versions_a) and versions_a[-1] == 8
+        assert {t.adapter_version for c in collected[2] for t in c.tokens} == {1}
+        for agent in final:
+            assert await tokens_of(engine, agent, f"y-{agent}") == expected[agent]
+    finally:
+        await engine.stop()
+
+
 async def test_more_agents_than_slots_and_limits(model_dir: Path) -> None:
     engine = _engine(model_dir, max_loras=2, max_waiting=2, max_num_seqs=2)
     await engine.start()

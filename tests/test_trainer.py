@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -152,3 +155,24 @@ def test_batched_agents_share_one_pass(engine: EmbeddedEngine, tmp_path: Path) -
     assert sorted(r.agent for r in results) == ["x", "y", "z"]
     assert all(world.registry.active(a).version == 1 for a in ("x", "y", "z"))  # type: ignore[union-attr]
     world.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice")
+async def test_rounds_run_on_the_trainers_own_lower_priority_thread(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    world = World(tmp_path, engine)
+    try:
+        world.serve_and_reward("p", 1.0)
+        world.serve_and_reward("p", 0.0)
+        assert len(await world.trainer.run_round_async()) == 1
+        executor = world.trainer._executor
+        assert executor is not None
+        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        trainer_nice = executor.submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        ).result()
+        assert trainer_nice == min(19, own + world.trainer.config.nice)
+    finally:
+        await world.trainer.stop()
+        world.close()

@@ -33,6 +33,7 @@ from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.priority import lower_thread_priority
 from clora_feedback.schemas.feedback import Reward
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
 from clora_feedback.train.registry import AdapterRegistry
@@ -139,7 +140,8 @@ class PublishLatency:
         latency_s: end of the optimizer step -> first token of the new version.
         handoff_s: the trainer's own count: start of its publish -> weights handed to the engine.
         durable_s: start of its publish -> version durable in the registry.
-        engine_write_s: the engine's copy of the new weights into the slot (between decode steps).
+        engine_write_s: the engine's copy of the new weights into its spare slot (on the
+            trainer's thread, while decoding goes on).
         stream_gap_s: inter-token gaps of the publisher's stream over the whole measurement.
     """
 
@@ -235,7 +237,7 @@ async def measure_publish_latency(
             _record_rewarded(feedback, engine, rng, samples, prompt, completion)
             marks: list[float] = []
             with _step_end_marks(marks):
-                results = await asyncio.to_thread(trainer.run_round)
+                results = await trainer.run_round_async()
             if len(results) != 1 or len(marks) != 1:
                 raise RuntimeError(f"expected one published step, got {results}")
             version = engine.adapter_version(PUBLISHER) or 0
@@ -257,9 +259,10 @@ async def measure_publish_latency(
 class Publisher:
     """Publishes the publisher's adapter every `interval_s` from a thread, as the trainer does.
 
-    Each publish makes `ContinualTrainer`'s calls in its order: flat parameters
-    -> `LoRAWeights` copy, reserve a version, `engine.set_adapter` (served from
-    the next decode step), then in `durable` mode `registry.publish` of that
+    Each publish makes `ContinualTrainer`'s calls in its order, on a thread at
+    the trainer's priority: flat parameters -> `LoRAWeights` copy, reserve a
+    version, `engine.set_adapter` (staged into the spare slot, served from the
+    next decode step), then in `durable` mode `registry.publish` of that
     version with its optimizer state. `mode` is read before every publish.
     """
 
@@ -267,6 +270,7 @@ class Publisher:
         self, engine: EmbeddedEngine, registry: AdapterRegistry, rank: int, interval_s: float
     ):
         self.engine, self.registry, self.interval_s = engine, registry, interval_s
+        self.nice = TrainerConfig().nice
         limits = engine.lora_limits
         layout = LoRALayout.build(limits, rank, 2.0 * rank, tuple(limits.target_modules))
         self.state = AgentTrainState.create(PUBLISHER, layout, init_lora(layout, seed=7))
@@ -291,6 +295,7 @@ class Publisher:
             pass
 
     def _loop(self) -> None:
+        lower_thread_priority(self.nice)  # as the trainer's own thread runs
         next_at = time.perf_counter()
         while not self._stop.is_set():
             if self.mode != "off":
@@ -302,7 +307,7 @@ class Publisher:
     def publish(self, *, durable: bool) -> None:
         weights = self.state.layout.to_weights(self.state.params)
         version = self.registry.next_version(PUBLISHER)
-        self.engine.set_adapter(PUBLISHER, version, weights)
+        self.engine.set_adapter(PUBLISHER, version, weights, checked=True, owned=True)
         if durable:
             self.registry.publish(
                 PUBLISHER,

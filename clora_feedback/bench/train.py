@@ -223,8 +223,9 @@ def _publish_rows(args: argparse.Namespace, p: PublishLatency) -> list[Row]:
         ),
         Row(
             "2b",
-            "parts of that publish: trainer reserve + hand-off; engine slot write; "
-            "durable version written (after the hand-off, concurrent with serving)",
+            "parts of that publish: trainer hand-off (check, copy, reserve, staged slot "
+            "write); of which the slot write; durable version written (after the hand-off, "
+            "concurrent with serving)",
             f"hand-off {_ms(median(p.handoff_s))}; slot write {_ms(median(p.engine_write_s))}",
             f"durable after {_ms(median(p.durable_s))}",
             "-",

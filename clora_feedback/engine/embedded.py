@@ -4,8 +4,13 @@ One background thread owns the model and runs the step loop; callers on any
 asyncio loop submit requests and receive chunks through `RequestStreamImpl`.
 Each step, in order:
 
-1. apply pending adapter operations (install, in-place update, removal), so an
-   update lands between decode steps and never inside a forward pass;
+1. apply pending adapter operations (install, update, removal), so an update
+   lands between decode steps and never inside a forward pass. An update of a
+   resident adapter is staged: `set_adapter` writes the new weights into the
+   engine's one spare slot on the caller's thread, while decoding goes on, and
+   the step only flips the agent (and its running rows) to that slot; the old
+   slot becomes the spare. Only a non-resident agent's weights are written by
+   the step itself, when a request first needs them;
 2. drop aborted sequences, freeing their KV-cache rows at once;
 3. admit waiting sequences into free rows (loading their adapter into a slot,
    evicting an idle one if needed);
@@ -112,7 +117,7 @@ class EmbeddedEngine:
         self.device = resolve_device(config.device)
         self.model = LoRAModel.from_dir(
             Path(model_dir),
-            max_loras=config.max_loras,
+            max_loras=config.max_loras + 1,  # + the spare slot updates are staged into
             max_lora_rank=config.max_lora_rank,
             target_modules=tuple(config.lora_target_modules),
             dtype=_DTYPES[config.dtype],
@@ -135,10 +140,14 @@ class EmbeddedEngine:
         self._aborts: set[str] = set()
         self._free_rows = list(range(config.max_num_seqs))
         self._adapters: dict[str, tuple[int, LoRAWeights]] = {}  # host copies: the source of truth
-        self._dirty: set[str] = (
-            set()
-        )  # agents whose host copy changed since it was written to a slot
+        # agents whose host copy changed since it was written to a slot
+        self._dirty: set[str] = set()
         self._slots = [_Slot() for _ in range(self.model.num_slots)]
+        # Staged updates: `_spare` is the one slot no agent owns and no row reads; `set_adapter`
+        # writes into it outside the step, `_flips` hands it to the agent at the next step.
+        self._spare = self.model.num_slots - 1
+        self._flips: dict[str, int] = {}  # agent -> version staged in the spare slot
+        self._stage_lock = threading.Lock()  # one writer of the spare slot at a time
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._steps = 0
@@ -242,13 +251,50 @@ class EmbeddedEngine:
 
     # -- Engine Protocol: adapters ---------------------------------------------------
 
-    def set_adapter(self, agent: str, version: int, weights: LoRAWeights) -> None:
-        weights.validate(self.model.limits)  # raises AdapterError before anything changes
-        copy = weights.clone()
+    def set_adapter(
+        self,
+        agent: str,
+        version: int,
+        weights: LoRAWeights,
+        *,
+        checked: bool = False,
+        owned: bool = False,
+    ) -> None:
+        """Serve `weights` as `agent`'s adapter `version` from the next decode step on.
+
+        Args:
+            checked: the caller already validated `weights` against `lora_limits`
+                (the trainer builds them in the engine's own layout and checks the
+                flat buffer once); skips the per-tensor check.
+            owned: the engine may keep `weights` itself instead of a copy; the caller
+                promises never to mutate them.
+        """
+        if not checked:
+            weights.validate(self.model.limits)  # raises AdapterError before anything changes
+        copy = weights if owned else weights.clone()
         with self._lock:
-            self._adapters[agent] = (version, copy)
-            self._dirty.add(agent)
-            self._lock.notify_all()
+            if agent not in self._adapters:  # new (or re-added): written by the step if resident
+                self._adapters[agent] = (version, copy)
+                self._dirty.add(agent)
+                self._lock.notify_all()
+                return
+        with self._stage_lock:
+            t0 = time.perf_counter()
+            with self._lock:
+                spare = self._spare
+                for other in self._flips:  # superseded: the spare slot is about to be rewritten
+                    if other != agent:
+                        self._dirty.add(other)  # written by the step instead when resident
+                self._flips.clear()
+            # No row reads the spare slot and the step never writes it, so this copy runs
+            # on the caller's thread while the engine keeps decoding.
+            self.model.write_slot(spare, copy)
+            with self._lock:
+                self._adapters[agent] = (version, copy)
+                self._flips[agent] = version
+                self._dirty.discard(agent)
+                self._lock.notify_all()
+            self.last_publish_s = time.perf_counter() - t0
 
     def remove_adapter(self, agent: str) -> None:
         with self._lock:
@@ -290,7 +336,12 @@ class EmbeddedEngine:
         while True:
             with self._lock:
                 while not (
-                    self._stopping or self._waiting or self._running or self._aborts or self._dirty
+                    self._stopping
+                    or self._waiting
+                    or self._running
+                    or self._aborts
+                    or self._dirty
+                    or self._flips
                 ):
                     self._lock.wait()
                 if self._stopping:
@@ -305,6 +356,7 @@ class EmbeddedEngine:
     def step(self) -> None:
         """One scheduling + forward step (called by the engine thread)."""
         with self._lock:
+            self._apply_flips()
             dirty, self._dirty = self._dirty, set()
             aborts, self._aborts = self._aborts, set()
             adapters = dict(self._adapters)
@@ -320,6 +372,31 @@ class EmbeddedEngine:
             self._decode(decoding)
         self._steps += 1
 
+    def _apply_flips(self) -> None:
+        """Hand the staged spare slot to its agent (caller holds `_lock`; bookkeeping only).
+
+        The agent's running rows move with it, so requests in flight take the new
+        version from this step on (each token records its version). A flip for an
+        agent that is not resident is dropped: its host copy is already current and
+        is written when a request next needs it.
+        """
+        for agent, version in self._flips.items():
+            old = self._slot_of(agent)
+            entry = self._adapters.get(agent)
+            if old is None or entry is None or entry[0] != version:
+                continue
+            new = self._spare
+            self._slots[new] = _Slot(
+                agent=agent, version=version, last_used=self._slots[old].last_used
+            )
+            self._slots[old] = _Slot()
+            for seq in self._running:
+                if seq.slot == old:
+                    seq.slot = new
+            self._spare = old
+        self._flips.clear()
+        self._lock.notify_all()
+
     def _apply_adapter_changes(
         self, dirty: set[str], adapters: dict[str, tuple[int, LoRAWeights]]
     ) -> None:
@@ -328,11 +405,9 @@ class EmbeddedEngine:
             if slot is None:
                 continue
             if agent in adapters:
-                t0 = time.perf_counter()
                 version, weights = adapters[agent]
                 self.model.write_slot(slot, weights)
                 self._slots[slot].version = version
-                self.last_publish_s = time.perf_counter() - t0
             elif not any(s.slot == slot for s in self._running):
                 self.model.clear_slot(slot)
                 self._slots[slot] = _Slot()
@@ -347,7 +422,7 @@ class EmbeddedEngine:
     def _acquire_slot(self, agent: str, adapters: dict[str, tuple[int, LoRAWeights]]) -> int | None:
         slot = self._slot_of(agent)
         if slot is None:
-            busy = {s.slot for s in self._running}
+            busy = {s.slot for s in self._running} | {self._spare}
             idle = [i for i in range(1, len(self._slots)) if i not in busy]
             if not idle:
                 return None

@@ -9,9 +9,15 @@ Each round (`run_round`), per agent in fair rotation:
    with anything waiting, whatever is there;
 3. swap the agent's state in, step, swap out (see `step`); with
    `batched_agents > 1`, up to that many ready agents share one pass;
-4. publish: the registry writes the immutable version (PEFT files, optimizer
-   state, manifest last) and moves the active pointer, then the engine takes
-   the new weights in place between two decode steps, straight from memory.
+4. publish: the engine takes the new weights first, straight from memory,
+   under a version number the registry reserved (staged into its spare slot
+   off the decode loop, served from the next decode step); then the registry
+   writes the immutable version (PEFT files, optimizer state, manifest last)
+   and moves the active pointer.
+
+Training is background work: rounds run on the trainer's own thread at a
+lower scheduling priority (`TrainerConfig.nice`, Linux), so decode steps of
+every agent win the cores whenever both want them.
 
 Pinned agents are skipped (their samples wait). A rollback (`activate`) puts
 version k's weights in the engine and makes the next step start from k's
@@ -28,7 +34,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import torch
 
 from clora_feedback.config import TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
@@ -36,6 +45,7 @@ from clora_feedback.errors import ConflictError, NotFoundError
 from clora_feedback.feedback.store import FeedbackStore, TrainingSample
 from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.weights import LoRAWeights
+from clora_feedback.priority import lower_thread_priority
 from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.registry import AdapterRegistry
@@ -94,15 +104,34 @@ class ContinualTrainer(BackgroundTask):
         self._turn = 0
         self.history: list[StepResult] = []
         self.last_publish: dict[str, float] = {}
+        self._executor: ThreadPoolExecutor | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
     task_name = "clora-trainer"
 
+    async def run_round_async(self) -> list[StepResult]:
+        """`run_round` on the trainer's own thread, at the configured lower priority."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="clora-trainer",
+                initializer=lower_thread_priority,
+                initargs=(self.config.nice,),
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.run_round)
+
+    async def stop(self) -> None:
+        """Stop the loop; a round in progress finishes on its thread, then the thread ends."""
+        await super().stop()
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False)
+
     async def _run(self) -> None:
         while True:
             try:
-                await asyncio.to_thread(self.run_round)
+                await self.run_round_async()
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep training other agents; the error is in the log
@@ -268,11 +297,16 @@ class ContinualTrainer(BackgroundTask):
             log.warning("agent %s: step discarded (pinned or rolled back during the step)", agent)
             self._runs.pop(agent, None)
             return False
-        weights = state.layout.to_weights(state.params)
         t0 = time.perf_counter()
+        if not bool(torch.isfinite(state.params).all()):  # one check over the flat buffer
+            log.error("agent %s: step %d produced non-finite weights; discarded", agent, state.step)
+            self._runs.pop(agent, None)  # the next round reloads the last good version
+            return False
+        # Built in the engine's own layout and checked above; the engine keeps this copy.
+        weights = state.layout.to_weights(state.params)
         version = self.registry.next_version(agent)
         previous = self.engine.adapter_weights(agent)
-        self.engine.set_adapter(agent, version, weights)
+        self.engine.set_adapter(agent, version, weights, checked=True, owned=True)
         served = time.perf_counter()
         try:
             self.registry.publish(
