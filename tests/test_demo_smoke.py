@@ -9,6 +9,11 @@ publishes versions, and the demo writes its curves, table and summary.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +66,52 @@ def test_c_lora_experiment_runs_serial_and_concurrent(tiny_model_dir: Path, tmp_
         assert row["speedup"] > 0 and row["step_s"] > 0 and row["rollout_s"] > 0
         assert row["serial_makespan_s"] == pytest.approx(sum(record["serial_walls_s"][: row["n"]]))
     assert "| 2 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_cleanly_and_still_writes_results(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGINT to the demo's process group, as a terminal's Ctrl-C sends it: exit 0, results
+    written and marked interrupted, the broker it started gone."""
+    pytest.importorskip("matplotlib")
+    data, out = tmp_path / "var", tmp_path / "out"
+    argv = [sys.executable, "-m", "clora_feedback.cli", "demo", "--model", str(tiny_model_dir)]
+    argv += ["--data-dir", str(data), "--out", str(out), "--no-progress", "--minutes", "5"]
+    argv += ["--users", "1", "--batch", "2", "--threads", "1"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    try:
+        for line in proc.stdout:  # the first live line: users are sending, the trainer runs
+            lines.append(line)
+            if line.startswith(("support", "coding")) or time.monotonic() > deadline:
+                break
+        time.sleep(2.0)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert "interrupted: stopping" in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    assert (out / "versions.md").exists()
+    assert not _processes_mentioning(str(data)), "the demo's broker outlived it"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains `text` (Linux /proc)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:  # the process ended while we looked
+            continue
+    return pids
