@@ -1,11 +1,12 @@
 """Differentiable forward pass for training: base weights frozen, LoRA rows per agent.
 
 The trainer reuses the serving engine's base weights in place (no second copy
-of the model) and adds each row's LoRA update through the same per-row
-reference op the engine uses (`lora_delta_reference`: gather each row's A and
-B, batched matmul). Several agents can therefore share one forward/backward:
-row b uses agent `row_agent[b]`'s parameters, and each agent's gradient lands
-in its own flat buffer.
+of the model). Several agents can share one forward/backward: row b uses agent
+`row_agent[b]`'s parameters, and each agent's gradient lands in its own flat
+buffer. The base projection runs once over all rows; each agent's LoRA update
+runs over its own run of consecutive rows as two plain matmuls
+(`x @ A^T`, then `@ B^T`), the per-row multi-LoRA computation grouped by
+adapter, so no row gathers (or, backwards, scatters) a copy of its weights.
 
 With `lora=None` the adapter is disabled and the pass computes the base
 model: the reference policy for the KL term, with no second model in memory.
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from clora_feedback.engine.model import GROUPS, LoRAModel, _rms_norm
-from clora_feedback.lora.ops import LoRABatch, lora_delta_reference
+from clora_feedback.lora.ops import LoRABatch
 from clora_feedback.train.state import LoRALayout
 
 
@@ -82,22 +83,49 @@ class TrainLoRA:
             layout.split_views(flat) for layout, flat in zip(self.layouts, self.params, strict=True)
         ]
 
-    def stacked(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A [n, R, in], B*scaling [n, out, R]) for projection `key`, ranks zero-padded to R."""
-        pairs = []
-        for layout, views in zip(self.layouts, self._views, strict=True):
-            if key not in views:
-                return None
-            a, b = views[key]
-            pairs.append((a, b * layout.scaling))
-        rank = max(a.shape[0] for a, _ in pairs)
-        a_stack = torch.stack([F.pad(a, (0, 0, 0, rank - a.shape[0])) for a, _ in pairs])
-        b_stack = torch.stack([F.pad(b, (0, rank - b.shape[1])) for _, b in pairs])
-        return a_stack, b_stack
+    @property
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(agent index, first row, end row) of each run of consecutive rows of one agent."""
+        ids = self.row_agent.tolist()
+        out: list[tuple[int, int, int]] = []
+        for row, agent in enumerate(ids):
+            if out and out[-1][0] == agent:
+                out[-1] = (agent, out[-1][1], row + 1)
+            else:
+                out.append((agent, row, row + 1))
+        return out
+
+    def delta(
+        self, key: str, x: torch.Tensor, runs: list[tuple[int, int, int]]
+    ) -> torch.Tensor | None:
+        """The LoRA update of projection `key` for x [B, T, in] -> [B, T, out]; None if no agent has it."""
+        parts: list[torch.Tensor | None] = []
+        for agent, start, end in runs:
+            pair = self._views[agent].get(key)
+            if pair is None:
+                parts.append(None)
+                continue
+            a, b = pair  # [r, in], [out, r]
+            shrunk = x[start:end] @ a.to(x.dtype).t() * self.layouts[agent].scaling  # [n, T, r]
+            parts.append(shrunk @ b.to(x.dtype).t())
+        present = [p for p in parts if p is not None]
+        if not present:
+            return None
+        out_features = present[0].shape[-1]
+        filled = [
+            p if p is not None else x.new_zeros(end - start, x.shape[1], out_features)
+            for p, (_, start, end) in zip(parts, runs, strict=True)
+        ]
+        return torch.cat(filled) if len(filled) > 1 else filled[0]
 
 
 def _proj(
-    model: LoRAModel, x: torch.Tensor, layer: int, group: str, lora: TrainLoRA | None
+    model: LoRAModel,
+    x: torch.Tensor,
+    layer: int,
+    group: str,
+    lora: TrainLoRA | None,
+    runs: list[tuple[int, int, int]],
 ) -> torch.Tensor:
     base = LoRABatch.from_slots([0] * x.shape[0], x.device)  # slot 0: base weights only
     y = model._proj(x, layer, group, base)
@@ -106,18 +134,13 @@ def _proj(
     shapes = model.config.projection_shapes()
     parts = []
     any_delta = False
-    members = dict(GROUPS)[group]
-    for name in members:
+    for name in dict(GROUPS)[group]:
         key = f"layers.{layer}.{'self_attn' if group in ('qkv', 'o') else 'mlp'}.{name}"
-        stacked = lora.stacked(key)
-        if stacked is None:
+        delta = lora.delta(key, x, runs)
+        if delta is None:
             parts.append(x.new_zeros(*x.shape[:-1], shapes[name][1]))
         else:
-            parts.append(
-                lora_delta_reference(
-                    x, stacked[0].to(x.dtype), stacked[1].to(x.dtype), lora.row_agent
-                )
-            )
+            parts.append(delta)
             any_delta = True
     if not any_delta:
         return y
@@ -140,15 +163,16 @@ def token_logprobs(model: LoRAModel, batch: PackedBatch, lora: TrainLoRA | None)
     b, t = ids.shape
     positions = torch.arange(t, device=model.device).unsqueeze(0).expand(b, t)
     h = model.embed[ids]
+    runs = lora.runs if lora is not None else []
     for i, layer in enumerate(model.layers):
         x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-        q, k, v = model._split_qkv(_proj(model, x, i, "qkv", lora), positions)
+        q, k, v = model._split_qkv(_proj(model, x, i, "qkv", lora, runs), positions)
         # Right padding: real tokens never attend to later (padding) positions under a causal mask.
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        h = h + _proj(model, attn.transpose(1, 2).reshape(b, t, -1), i, "o", lora)
+        h = h + _proj(model, attn.transpose(1, 2).reshape(b, t, -1), i, "o", lora, runs)
         x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-        gate, up = _proj(model, x, i, "gate_up", lora).chunk(2, dim=-1)
-        h = h + _proj(model, F.silu(gate) * up, i, "down", lora)
+        gate, up = _proj(model, x, i, "gate_up", lora, runs).chunk(2, dim=-1)
+        h = h + _proj(model, F.silu(gate) * up, i, "down", lora, runs)
     mask = batch.mask.to(model.device)
     scored = _rms_norm(h[mask], model.final_norm, c.rms_norm_eps)  # [N, hidden]
     targets = batch.targets.to(model.device)[mask]
