@@ -39,11 +39,12 @@ def test_train_quick_runs_every_measurement(
     assert train.run(["--quick", "--json", str(tmp_path / "train.json")]) == 0
     table = _table(capsys.readouterr().out)
     loads = [f"5{x}-{m}" for x in "abc" for m in ("arch", "total")]
-    _check_shape(table, ["1", "2", "2b", "3", "3b", "3c", "4", "4b", *loads])
+    _check_shape(table, ["1", "2", "2b", "3", "3b", "3c", "4", "4b", "6", *loads])
     raw = json.loads((tmp_path / "train.json").read_text())
     for tenancy in (raw["tenancy"], raw["small"]):
         assert len(tenancy["batched_s"]) == len(tenancy["serial_s"]) == 1
         assert len(tenancy["swap_s"]) == len(tenancy["step_s"]) == 4  # a swap step per agent
+    assert len(raw["prefix"]["shared_s"]) == len(raw["prefix"]["per_row_s"]) == 1
     assert len(raw["publish"]["latency_s"]) == 1
     assert all(raw["interference"]["gaps_s"][c] for c in ("off", "hand-off", "durable"))
     assert raw["interference"]["publishes"]["off"] == 0

@@ -157,3 +157,57 @@ def test_policy_gradient_raises_rewarded_sample_probability(model: LoRAModel) ->
         assert step[0].ratio_mean == pytest.approx(1.0, abs=1e-5)
     after = logps().sum(1)
     assert after[0] - before[0] > 1.0 and after[1] < before[1], (before, after)
+
+
+def test_shared_prompt_prefix_is_computed_once_with_the_same_values_and_gradients(
+    model: LoRAModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows sharing a long prompt prefix (two agents, mixed ranks): the shared-prefix pass
+    gives the per-row pass's logprobs and gradients, and the KL reference (no adapter) too."""
+    import clora_feedback.train.forward as forward
+
+    gen = torch.Generator().manual_seed(11)
+    system = torch.randint(3, 250, (40,), generator=gen).tolist()
+    seqs = []
+    for i in range(5):
+        question = torch.randint(3, 250, (2 + i,), generator=gen).tolist()
+        answer = torch.randint(3, 250, (3 + (i % 3),), generator=gen).tolist()
+        seqs.append((system + question, answer))
+    packed = PackedBatch.build(seqs)
+    assert forward.shared_prefix_len(packed) == 40  # the questions differ from their first token on
+    agents = [_state(model, "a", 4, 21), _state(model, "b", 8, 22)]
+    owner = torch.tensor([0, 0, 0, 1, 1])
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        leaves = [s.params.clone().requires_grad_(True) for s in agents]
+        lora = TrainLoRA([s.layout for s in agents], leaves, owner)
+        lp = token_logprobs(model, packed, lora)
+        (lp * torch.linspace(-1.0, 1.0, lp.numel())).sum().backward()
+        with torch.no_grad():
+            ref = token_logprobs(model, packed, None)
+        return lp.detach(), ref, [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+    shared = run()
+    monkeypatch.setattr(forward, "MIN_SHARED_PREFIX", 10_000)  # force the per-row pass
+    assert forward.shared_prefix_len(packed) == 0
+    per_row = run()
+    torch.testing.assert_close(shared[0], per_row[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared[1], per_row[1], atol=1e-5, rtol=1e-5)
+    for g_shared, g_rows in zip(shared[2], per_row[2], strict=True):
+        assert float(g_rows.abs().max()) > 0
+        torch.testing.assert_close(g_shared, g_rows, atol=1e-5, rtol=1e-4)
+
+
+def test_no_prefix_is_shared_into_a_scored_position() -> None:
+    """The prefix stops before the first scored position of any row, and at the first difference."""
+    from clora_feedback.train.forward import shared_prefix_len
+
+    common = list(range(3, 23))  # 20 tokens
+    assert (
+        shared_prefix_len(PackedBatch.build([([*common, 30], [31]), ([*common, 40], [41])])) == 20
+    )
+    # A row whose prompt ends inside the common part caps it (its first scored position).
+    short = PackedBatch.build([(common[:18], [50, 51]), ([*common, 60], [61])])
+    assert shared_prefix_len(short) == 17
+    assert shared_prefix_len(PackedBatch.build([(common, [1])])) == 0  # one row: nothing to share
+    assert shared_prefix_len(PackedBatch.build([([5] * 8, [1]), ([5] * 8, [2])])) == 0  # too short

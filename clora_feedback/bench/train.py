@@ -12,6 +12,9 @@
    serial swap steps over the same batches, alternated per repetition.
 5. Staleness of admitted samples, early vs train-batch admission: a
    virtual-clock simulation around the real `Admission` (see `staleness`).
+6. Shared prompt prefix: one swap step over samples that share a long
+   prompt prefix (a system prompt, tool schemas), with the prefix computed
+   once per agent (`train.forward.shared_prefix_len`) against once per row.
 
 Timing runs on a possibly shared CPU: compared variants alternate and the
 table reports medians. `--quick` runs everything on a tiny random model in
@@ -30,7 +33,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from clora_feedback.bench.publish import (
     measure_interference,
     measure_publish_latency,
     pg_samples,
+    token_ids,
 )
 from clora_feedback.bench.report import (
     Row,
@@ -145,11 +149,59 @@ def measure_tenancy(
 
 
 @dataclass
+class PrefixSharing:
+    """One agent's swap step over samples that share a long prompt prefix (seconds)."""
+
+    shape: str = ""
+    shared_s: list[float] = field(default_factory=list)
+    per_row_s: list[float] = field(default_factory=list)
+
+
+def measure_prefix_sharing(
+    engine: EmbeddedEngine, *, samples: int, prefix: int, own: int, completion: int, rank: int,
+    reps: int, seed: int,
+) -> PrefixSharing:  # fmt: skip
+    """Alternate steps with the shared prefix computed once and (forced) once per row."""
+    import clora_feedback.train.forward as forward
+
+    limits = engine.lora_limits
+    layout = LoRALayout.build(limits, rank, 2.0 * rank, tuple(limits.target_modules))
+    rng = random.Random(seed)
+    vocab = engine.model.config.vocab_size
+    system = token_ids(rng, vocab, prefix)
+    batch = AgentBatch(
+        AgentTrainState.create("agent", layout, init_lora(layout, seed=seed)),
+        [replace(s, prompt_ids=system + s.prompt_ids) for s in pg_samples(rng, vocab, samples, own, completion)],
+    )  # fmt: skip
+    slot = TrainingSlot(layout.numel, engine.device)
+    loss, adam = LossConfig(), AdamConfig()
+    out = PrefixSharing(f"{samples} x ({prefix} shared + {own} own prompt + {completion}) tokens")
+    minimum = forward.MIN_SHARED_PREFIX
+
+    def step(shared: bool) -> float:
+        forward.MIN_SHARED_PREFIX = minimum if shared else 1 << 30
+        try:
+            t0 = time.perf_counter()
+            train_step(engine.model, [slot], [batch], loss, adam)
+            return time.perf_counter() - t0
+        finally:
+            forward.MIN_SHARED_PREFIX = minimum
+
+    step(True), step(False)  # warm-up
+    for rep in range(reps):
+        for shared in (True, False) if rep % 2 == 0 else (False, True):
+            (out.shared_s if shared else out.per_row_s).append(step(shared))
+        _progress(f"prefix sharing: rep {rep + 1}/{reps}")
+    return out
+
+
+@dataclass
 class Figures:
     """Raw measurements in seconds (written by `--json`)."""
 
     tenancy: Tenancy
     small: Tenancy
+    prefix: PrefixSharing
     publish: PublishLatency
     interference: Interference
     staleness: list[dict[str, Any]]
@@ -205,6 +257,20 @@ def _tenancy_row(key: str, t: Tenancy, agents: int) -> Row:
         f"{ratio:.2f}x",
         ">= 1.5x",
         verdict(ratio >= 1.5),
+    )
+
+
+def _prefix_row(p: PrefixSharing) -> Row:
+    pairs = [r / s for r, s in zip(p.per_row_s, p.shared_s, strict=True)]
+    return Row(
+        "6",
+        f"one swap step, shared prompt prefix computed once per agent vs once per row ({p.shape}; "
+        f"median of {len(pairs)} alternated pairs)",
+        f"shared {median(p.shared_s):.2f} s",
+        f"per row {median(p.per_row_s):.2f} s",
+        f"{median(pairs):.2f}x",
+        "-",
+        "-",
     )
 
 
@@ -306,6 +372,7 @@ def rows(args: argparse.Namespace, f: Figures) -> list[Row]:
         *_interference_rows(args, f.interference),
         _tenancy_row("4", f.tenancy, args.agents),
         _tenancy_row("4b", f.small, args.agents),
+        _prefix_row(f.prefix),
         *_staleness_rows(f.staleness),
     ]
 
@@ -386,6 +453,16 @@ async def measure(args: argparse.Namespace) -> Figures:
             shape = Shape(args.samples, args.prompt_tokens, args.completion_tokens)
             tenancy = measure_tenancy(engine, shape, reps=args.train_reps, **common)
             small = measure_tenancy(engine, args.small_shape, reps=args.train_reps, **common)
+            prefix = measure_prefix_sharing(
+                engine,
+                samples=8,
+                prefix=32 if args.quick else 256,
+                own=8 if args.quick else 24,
+                completion=args.completion_tokens,
+                rank=args.rank,
+                reps=args.train_reps,
+                seed=args.seed + 3,
+            )
             weights = random_lora_weights(
                 engine.lora_limits, rank=args.rank, alpha=2.0 * args.rank, seed=1, std=0.01
             )
@@ -428,7 +505,7 @@ async def measure(args: argparse.Namespace) -> Figures:
             feedback.close()
             registry.close()
     _progress("staleness simulation")
-    return Figures(tenancy, small, publish, interference, measure_staleness(args))
+    return Figures(tenancy, small, prefix, publish, interference, measure_staleness(args))
 
 
 def run(argv: list[str]) -> int:

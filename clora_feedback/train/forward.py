@@ -147,8 +147,37 @@ def _proj(
     return y + (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
 
 
+MIN_SHARED_PREFIX = 16
+"""Shortest common prompt prefix (tokens) worth computing once per agent instead of per row."""
+
+
+def shared_prefix_len(batch: PackedBatch) -> int:
+    """Tokens every row starts with, never reaching a scored position (0 if under the minimum).
+
+    Rows of one agent usually share a long system prompt (instructions, tool
+    schemas, worked examples); no position before the first scored one of any
+    row needs its own output, only its keys and values.
+    """
+    ids = batch.input_ids
+    if ids.shape[0] < 2:
+        return 0
+    scored = batch.mask
+    first_scored = int(scored.float().argmax(dim=1).min()) if bool(scored.any()) else 0
+    limit = min(first_scored, min(batch.lengths))
+    same = (ids[:, :limit] == ids[:1, :limit]).all(dim=0)
+    differs = (~same).nonzero()
+    length = int(differs[0, 0]) if differs.numel() else limit
+    return length if length >= MIN_SHARED_PREFIX else 0
+
+
 def token_logprobs(model: LoRAModel, batch: PackedBatch, lora: TrainLoRA | None) -> torch.Tensor:
     """Log-probabilities of the scored next tokens.
+
+    When all rows share a prompt prefix (`shared_prefix_len`), it is computed
+    once per agent run (its LoRA applies to it as to any token) and its keys
+    and values are attended by every row of that run: the same values as
+    computing it per row, and the same gradients (autograd sums the rows'
+    contributions through the shared tensors), for a fraction of the compute.
 
     Args:
         model: the engine's model (base weights are read, never written).
@@ -161,21 +190,48 @@ def token_logprobs(model: LoRAModel, batch: PackedBatch, lora: TrainLoRA | None)
     c = model.config
     ids = batch.input_ids.to(model.device)
     b, t = ids.shape
-    positions = torch.arange(t, device=model.device).unsqueeze(0).expand(b, t)
-    h = model.embed[ids]
-    runs = lora.runs if lora is not None else []
+    runs = lora.runs if lora is not None else [(0, 0, b)]
+    prefix = shared_prefix_len(batch)
+    # One prefix row per agent run; row r of the batch reads prefix row `owner[r]`.
+    prefix_runs = [(agent, i, i + 1) for i, (agent, _, _) in enumerate(runs)]
+    owner = torch.tensor(
+        [i for i, (_, start, end) in enumerate(runs) for _ in range(start, end)], device=ids.device
+    )
+    h_p = model.embed[ids[:1, :prefix]].expand(len(runs), prefix, -1)
+    h = model.embed[ids[:, prefix:]]
+    pos_p = torch.arange(prefix, device=ids.device).unsqueeze(0).expand(len(runs), prefix)
+    pos = torch.arange(prefix, t, device=ids.device).unsqueeze(0).expand(b, t - prefix)
+    # Rest position i sees every prefix position and rest positions <= i (right padding
+    # is never seen by a real token).
+    allowed = torch.ones(t - prefix, t, dtype=torch.bool, device=ids.device)
+    allowed[:, prefix:] = torch.ones(t - prefix, t - prefix, dtype=torch.bool).tril()
     for i, layer in enumerate(model.layers):
         x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-        q, k, v = model._split_qkv(_proj(model, x, i, "qkv", lora, runs), positions)
-        # Right padding: real tokens never attend to later (padding) positions under a causal mask.
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        h = h + _proj(model, attn.transpose(1, 2).reshape(b, t, -1), i, "o", lora, runs)
+        q, k, v = model._split_qkv(_proj(model, x, i, "qkv", lora, runs), pos)
+        if prefix:
+            x_p = _rms_norm(h_p, layer["in_norm"], c.rms_norm_eps)
+            q_p, k_p, v_p = model._split_qkv(_proj(model, x_p, i, "qkv", lora, prefix_runs), pos_p)
+            attn_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
+            keys = torch.cat([k_p.index_select(0, owner), k], dim=2)
+            values = torch.cat([v_p.index_select(0, owner), v], dim=2)
+            attn = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=allowed, enable_gqa=True
+            )
+            o_p = attn_p.transpose(1, 2).reshape(len(runs), prefix, -1)
+            h_p = h_p + _proj(model, o_p, i, "o", lora, prefix_runs)
+            x_p = _rms_norm(h_p, layer["post_norm"], c.rms_norm_eps)
+            gate_p, up_p = _proj(model, x_p, i, "gate_up", lora, prefix_runs).chunk(2, dim=-1)
+            h_p = h_p + _proj(model, F.silu(gate_p) * up_p, i, "down", lora, prefix_runs)
+        else:
+            # Right padding: real tokens never attend to later (padding) positions when causal.
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        h = h + _proj(model, attn.transpose(1, 2).reshape(b, t - prefix, -1), i, "o", lora, runs)
         x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
         gate, up = _proj(model, x, i, "gate_up", lora, runs).chunk(2, dim=-1)
         h = h + _proj(model, F.silu(gate) * up, i, "down", lora, runs)
-    mask = batch.mask.to(model.device)
+    mask = batch.mask[:, prefix:].to(model.device)
     scored = _rms_norm(h[mask], model.final_norm, c.rms_norm_eps)  # [N, hidden]
-    targets = batch.targets.to(model.device)[mask]
+    targets = batch.targets[:, prefix:].to(model.device)[mask]
     return _gather_logprobs(scored, model.lm_head, targets)
 
 
