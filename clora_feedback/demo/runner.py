@@ -448,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> int:
     """`clora demo [options]`; returns the exit status."""
     args = build_parser().parse_args(argv)
+    # The simulated users' HTTP clients log every request at INFO; the live lines are the display.
+    for name in ("httpx", "httpx2", "openai"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     agents = tuple(a.strip() for a in args.agents.split(",") if a.strip())
     unknown = [a for a in agents if a not in AGENTS]
     if unknown or not agents:
