@@ -103,6 +103,30 @@ class Workload(Protocol):
         ...
 
 
+async def _single_turn(
+    client: AsyncOpenAI,
+    agent: str,
+    task_id: str,
+    messages: list[dict[str, Any]],
+    sampling: Sampling,
+    max_tokens: int,
+    stop: list[str] | None = None,
+) -> tuple[Episode, str | None]:
+    """One chat completion as a whole episode; returns it (accounted) and the reply text."""
+    episode = Episode(task_id)
+    reply = await client.chat.completions.create(
+        model=agent,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        stop=stop,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+    )
+    _account(episode, reply)
+    return episode, reply.choices[0].message.content
+
+
 def _account(episode: Episode, reply: Any) -> None:
     episode.completion_ids.append(reply.id)
     extra = reply.model_extra or {}
@@ -128,18 +152,9 @@ class SupportWorkload:
     async def run_episode(
         self, client: AsyncOpenAI, agent: str, task: support.Ticket, sampling: Sampling
     ) -> Episode:
-        episode = Episode(task.id)
-        reply = await client.chat.completions.create(
-            model=agent,
-            messages=task.messages(),  # type: ignore[arg-type]
-            max_tokens=self.max_tokens,
-            stop=["\n"],
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
+        episode, text = await _single_turn(
+            client, agent, task.id, task.messages(), sampling, self.max_tokens, stop=["\n"]
         )
-        _account(episode, reply)
-        text = reply.choices[0].message.content
         verdict = self.operator.judge(task, text)
         episode.reward, episode.answer = verdict.reward, verdict.routed_to or (text or "")
         return episode
@@ -272,17 +287,10 @@ class CodingWorkload:
     async def run_episode(
         self, client: AsyncOpenAI, agent: str, task: coding.CodingTask, sampling: Sampling
     ) -> Episode:
-        episode = Episode(task.id)
-        reply = await client.chat.completions.create(
-            model=agent,
-            messages=task.messages(),  # type: ignore[arg-type]
-            max_tokens=self.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
+        episode, reply_text = await _single_turn(
+            client, agent, task.id, task.messages(), sampling, self.max_tokens
         )
-        _account(episode, reply)
-        text = reply.choices[0].message.content or ""
+        text = reply_text or ""
         review = self.developer.review(task, text)
         episode.reward, episode.answer = review.reward, text
         return episode

@@ -201,14 +201,16 @@ def token_logprobs(model: LoRAModel, batch: PackedBatch, lora: TrainLoRA | None)
     h = model.embed[ids[:, prefix:]]
     pos_p = torch.arange(prefix, device=ids.device).unsqueeze(0).expand(len(runs), prefix)
     pos = torch.arange(prefix, t, device=ids.device).unsqueeze(0).expand(b, t - prefix)
-    # Rest position i sees every prefix position and rest positions <= i (right padding
-    # is never seen by a real token).
-    allowed = torch.ones(t - prefix, t, dtype=torch.bool, device=ids.device)
-    allowed[:, prefix:] = torch.ones(t - prefix, t - prefix, dtype=torch.bool).tril()
+    allowed: torch.Tensor | None = None
+    if prefix:
+        # Rest position i sees every prefix position and rest positions <= i (right padding
+        # is never seen by a real token).
+        allowed = torch.ones(t - prefix, t, dtype=torch.bool, device=ids.device)
+        allowed[:, prefix:] = torch.ones(t - prefix, t - prefix, dtype=torch.bool).tril()
     for i, layer in enumerate(model.layers):
         x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
         q, k, v = model._split_qkv(_proj(model, x, i, "qkv", lora, runs), pos)
-        if prefix:
+        if allowed is not None:
             x_p = _rms_norm(h_p, layer["in_norm"], c.rms_norm_eps)
             q_p, k_p, v_p = model._split_qkv(_proj(model, x_p, i, "qkv", lora, prefix_runs), pos_p)
             attn_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
