@@ -49,9 +49,9 @@ from clora_feedback.gateway.metrics import Family
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.models.resolve import resolve_model_dir
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
 from clora_feedback.train.guard import RegressionGuard
-from clora_feedback.train.registry import AdapterRegistry
 from clora_feedback.train.trainer import ContinualTrainer
 
 log = logging.getLogger(__name__)

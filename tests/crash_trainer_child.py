@@ -14,13 +14,13 @@ import signal
 import sys
 from pathlib import Path
 
-import clora_feedback.train.artifact as artifact
+import clora_feedback.store.artifact as artifact
 import clora_feedback.train.step as step_module
 from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.feedback.rewards import RewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
-from clora_feedback.train.registry import AdapterRegistry
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.train.trainer import ContinualTrainer
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clora_feedback.cli import main
+from clora_feedback.cli.main import main
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import pytest
 from kafka_fixtures import KAFKA, kafka_broker, read_topic
 from test_webhook import AGENTS, FakeSink, feedback_app, resolution, serve, trajectory
 
+from clora_feedback.cli.feedback import add_feedback_parser
 from clora_feedback.client import (
     AsyncFeedbackClient,
     FeedbackClient,
@@ -36,7 +37,6 @@ from clora_feedback.errors import (
     UnavailableError,
 )
 from clora_feedback.feedback.broker import LocalBroker
-from clora_feedback.feedback.cli import add_feedback_parser
 from clora_feedback.feedback.rewards import RewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.gateway.feedback import build_feedback_router

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from clora_feedback.errors import InvalidRequestError, NotFoundError, OverloadedError
 from clora_feedback.gateway.errors import error_response, param_from_loc, validation_error
-from clora_feedback.gateway.protocol import (
+from clora_feedback.schemas.openai import (
     ChatCompletionRequest,
     CloraResponseExtension,
     CompletionRequest,

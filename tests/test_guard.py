@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from clora_feedback.lora.weights import LoRALimits, random_lora_weights
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.train.guard import (
     GuardConfig,
     RegressionGuard,
@@ -25,7 +26,6 @@ from clora_feedback.train.guard import (
     student_t_sf,
     welch_one_sided,
 )
-from clora_feedback.train.registry import AdapterRegistry
 
 LIMITS = LoRALimits(
     max_rank=4,

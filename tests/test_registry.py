@@ -31,8 +31,8 @@ from clora_feedback.errors import (
 )
 from clora_feedback.lora.peft_io import WEIGHTS_NAME, save_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights, random_lora_weights
-from clora_feedback.train.artifact import MANIFEST_NAME, OPTIMIZER_NAME, content_hash, file_sha256
-from clora_feedback.train.registry import AdapterRegistry, VersionInfo
+from clora_feedback.store.artifact import MANIFEST_NAME, OPTIMIZER_NAME, content_hash, file_sha256
+from clora_feedback.store.registry import AdapterRegistry, VersionInfo
 
 TINY_SHAPES = {
     "q_proj": (64, 64),
@@ -321,7 +321,7 @@ _CRASH_SCRIPT = textwrap.dedent(
     import torch
     from clora_feedback.config import DEFAULT_TARGET_MODULES
     from clora_feedback.lora.weights import LoRALimits, random_lora_weights
-    from clora_feedback.train import artifact, registry as registry_module
+    from clora_feedback.store import artifact, registry as registry_module
 
     root, db, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     shapes = {json_shapes}

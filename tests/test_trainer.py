@@ -19,8 +19,8 @@ from clora_feedback.feedback.rewards import RewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.models.tiny import build_tiny_model_dir
 from clora_feedback.schemas.feedback import Correction, Reward
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
-from clora_feedback.train.registry import AdapterRegistry
 from clora_feedback.train.trainer import ContinualTrainer
 
 

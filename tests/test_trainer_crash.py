@@ -14,8 +14,8 @@ from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.feedback.rewards import RewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.schemas.feedback import Reward
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
-from clora_feedback.train.registry import AdapterRegistry
 from clora_feedback.train.trainer import ContinualTrainer
 
 CHILD = Path(__file__).with_name("crash_trainer_child.py")

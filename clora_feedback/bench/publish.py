@@ -35,8 +35,8 @@ from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.priority import lower_thread_priority
 from clora_feedback.schemas.feedback import Reward
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
-from clora_feedback.train.registry import AdapterRegistry
 from clora_feedback.train.state import AgentTrainState, LoRALayout, init_lora
 from clora_feedback.train.step import PGSample, StepResult
 from clora_feedback.train.trainer import ContinualTrainer

@@ -68,8 +68,8 @@ from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.feedback.rewards import RewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.train.loss import LossConfig
-from clora_feedback.train.registry import AdapterRegistry
 from clora_feedback.train.state import (
     AdamConfig,
     AgentTrainState,

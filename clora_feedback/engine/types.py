@@ -11,12 +11,57 @@ This module holds plain data only: no torch, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from clora_feedback.lora.weights import LoRAWeights
 
 FinishReason = Literal["stop", "length", "abort"]
 
 BASE_VERSION = 0
 """Adapter version reported for tokens generated with no adapter (the base model)."""
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An immutable adapter version, as an engine is asked to serve it.
+
+    Attributes:
+        agent: the public agent name.
+        version: the registry's version number (>= 1; never reused for the agent).
+        path: the version's PEFT directory (`adapter_config.json` +
+            `adapter_model.safetensors`); every engine can load from it.
+        weights: the same tensors already in memory, an optional fast path for an
+            engine that lives in this process (`EngineCapabilities.in_memory_adapters`);
+            other engines ignore it.
+    """
+
+    agent: str
+    version: int
+    path: Path | None
+    weights: LoRAWeights | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine promises, so the gateway and trajectory capture can follow it honestly.
+
+    Attributes:
+        per_token_versions: every `TokenEvent.adapter_version` is the version that produced
+            that token (an update can land mid-request); false: one version per request,
+            the one it was admitted under.
+        logprobs: "processed" = behaviour logprobs of the distribution actually sampled
+            from (after temperature/top-p); "raw" = log-softmax of the raw logits.
+        in_memory_adapters: `AdapterRef.weights` is used when given (no disk read).
+        constraints: kinds of declarative constraint the engine compiles ("json_schema",
+            "tool_call").
+    """
+
+    per_token_versions: bool
+    logprobs: Literal["processed", "raw"]
+    in_memory_adapters: bool
+    constraints: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ engine is switched back. Engine and registry therefore disagree at most for
 the duration of the request, and the engine serves version N from its next
 decode step.
 
-Not here: the registry itself (`clora_feedback.train.registry`), vLLM's runtime
+Not here: the registry itself (`clora_feedback.store.registry`), vLLM's runtime
 `load_lora_adapter` routes (`routes`).
 """
 
@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clora_feedback.errors import ConflictError
 from clora_feedback.gateway.auth import admin_principal
-from clora_feedback.train.versions import (
+from clora_feedback.store.versions import (
     Activation,
     AdapterStore,
     AgentInfo,

@@ -25,7 +25,7 @@ from clora_feedback.engine.types import BASE_VERSION
 from clora_feedback.errors import InvalidRequestError, PermissionDeniedError
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import Principal
-from clora_feedback.gateway.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from clora_feedback.schemas.openai import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryRecord
 
 OWNER = "clora-feedback"

@@ -8,7 +8,7 @@ resolves the model directory and builds the embedded engine and the SQLite
 store from `Settings`; `serve` runs that under uvicorn (the `clora serve` CLI
 calls it).
 
-Not here: command-line parsing (see `clora_feedback.cli`).
+Not here: command-line parsing (see `clora_feedback.cli.main`).
 """
 
 from __future__ import annotations

@@ -37,13 +37,6 @@ from clora_feedback.gateway.errors import error_event
 from clora_feedback.gateway.generation import ChoiceState, GenerationRun, plan_sampling
 from clora_feedback.gateway.logprobs import TokenPieces, chat_logprobs
 from clora_feedback.gateway.metrics import Metrics
-from clora_feedback.gateway.protocol import (
-    ChatCompletionRequest,
-    CloraChoiceExtension,
-    CloraResponseExtension,
-    include_usage,
-    stop_list,
-)
 from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
 from clora_feedback.gateway.tool_constraint import JSONCallConstraint, vocab_texts
 from clora_feedback.gateway.tools import (
@@ -55,6 +48,13 @@ from clora_feedback.gateway.tools import (
     forced_call_prefix,
     parse_tool_calls,
     render_messages,
+)
+from clora_feedback.schemas.openai import (
+    ChatCompletionRequest,
+    CloraChoiceExtension,
+    CloraResponseExtension,
+    include_usage,
+    stop_list,
 )
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
 

@@ -29,14 +29,14 @@ from clora_feedback.gateway.errors import error_event
 from clora_feedback.gateway.generation import ChoiceState, GenerationRun, plan_sampling
 from clora_feedback.gateway.logprobs import TokenPieces, completion_logprobs
 from clora_feedback.gateway.metrics import Metrics
-from clora_feedback.gateway.protocol import (
+from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
+from clora_feedback.schemas.openai import (
     CloraChoiceExtension,
     CloraResponseExtension,
     CompletionRequest,
     include_usage,
     stop_list,
 )
-from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
 log = logging.getLogger(__name__)

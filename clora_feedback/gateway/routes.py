@@ -40,13 +40,13 @@ from clora_feedback.gateway.auth import (
 from clora_feedback.gateway.chat import ChatHandler
 from clora_feedback.gateway.completions import CompletionHandler
 from clora_feedback.gateway.metrics import Metrics
-from clora_feedback.gateway.protocol import (
+from clora_feedback.gateway.sse import ClientDisconnected
+from clora_feedback.schemas.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
-from clora_feedback.gateway.sse import ClientDisconnected
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
 CLIENT_CLOSED_REQUEST = 499

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from clora_feedback.config import GuardConfig
 from clora_feedback.errors import CloraError, ConflictError
 from clora_feedback.lifecycle import BackgroundTask
-from clora_feedback.train.versions import AdapterStore
+from clora_feedback.store.versions import AdapterStore
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from clora_feedback.feedback.store import FeedbackStore, TrainingSample
 from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.priority import lower_thread_priority
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
-from clora_feedback.train.registry import AdapterRegistry
 from clora_feedback.train.state import (
     AdamConfig,
     AgentTrainState,

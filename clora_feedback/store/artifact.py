@@ -51,7 +51,7 @@ from clora_feedback.lora.peft_io import (
     save_peft_adapter,
 )
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
-from clora_feedback.train.versions import AGENT_NAME
+from clora_feedback.store.versions import AGENT_NAME
 
 MANIFEST_NAME = "manifest.json"
 OPTIMIZER_NAME = "optimizer.safetensors"

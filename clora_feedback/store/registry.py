@@ -45,7 +45,7 @@ import torch
 from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
 from clora_feedback.lora.peft_io import load_peft_adapter, read_adapter_config
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
-from clora_feedback.train.artifact import (
+from clora_feedback.store.artifact import (
     OPTIMIZER_NAME,
     VersionDirs,
     read_manifest,
@@ -53,7 +53,7 @@ from clora_feedback.train.artifact import (
     verify_version_dir,
     write_version_dir,
 )
-from clora_feedback.train.versions import (
+from clora_feedback.store.versions import (
     AdapterStore,
     AgentInfo,
     VersionInfo,

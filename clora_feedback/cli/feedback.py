@@ -13,7 +13,7 @@ The receipt is printed as JSON on stdout.
 Exit status: 0 when every event was taken (joined, parked, duplicate or produced),
 1 when the send failed or some event was rejected, 2 for bad arguments.
 
-Not here: the parser of the other commands (`clora_feedback.cli` wires this in).
+Not here: the parser of the other commands (`clora_feedback.cli.main` wires this in).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Exit status: 0 on success, 1 when the gateway refuses (its OpenAI-style error
 message is printed), 2 when it cannot be reached.
 
 Not here: the routes (`clora_feedback.gateway.adapters`); wiring into `clora`
-(`clora_feedback.cli` calls `add_adapters_parser`).
+(`clora_feedback.cli.main` calls `add_adapters_parser`).
 """
 
 from __future__ import annotations

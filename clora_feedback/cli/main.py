@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The demo parses its own options (`clora_feedback.demo.runner`); they arrive as leftovers.
     demo.set_defaults(func=_demo, takes_extra=True)
 
-    from clora_feedback.feedback.cli import add_feedback_parser
-    from clora_feedback.train.cli import add_adapters_parser
+    from clora_feedback.cli.adapters import add_adapters_parser
+    from clora_feedback.cli.feedback import add_feedback_parser
 
     add_feedback_parser(sub)
     add_adapters_parser(sub)

@@ -1,7 +1,7 @@
 """The vocabulary of adapter versions: value types and the `AdapterStore` Protocol.
 
 The trainer, the regression guard and the gateway's admin routes depend on
-these names only; `clora_feedback.train.registry.AdapterRegistry` is the
+these names only; `clora_feedback.store.registry.AdapterRegistry` is the
 implementation (SQLite index + version directories), and re-exports them.
 
 Status of a version: `active` (the agent's active pointer), `rolled_back`
