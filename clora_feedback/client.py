@@ -23,29 +23,29 @@ webhook, `StoreError` from Kafka): resending the same events is always safe.
 Server errors come back as the package's exceptions (`clora_feedback.errors`),
 chosen by HTTP status, never by message text.
 
-This module also holds the wire contract both sides of the webhook share
-(`sign_body`, `FeedbackReceipt`, `event_validation_error`): the gateway imports
-them from here so sender and receiver cannot drift.
+The wire contract both sides of the webhook share (`sign_body`,
+`FeedbackReceipt`, `event_validation_error`) lives in
+`clora_feedback.schemas.feedback`, imported by the gateway too; the names are
+re-exported here for SDK users.
 
-Not here: the webhook route (`clora_feedback.gateway.feedback`), the ingest
-consumer, the LangChain recorder (`clora_feedback.integrations.langchain`).
+Not here: the wire contract (`clora_feedback.schemas.feedback`), the webhook
+route (`clora_feedback.gateway.feedback`), the ingest consumer, the LangChain
+recorder (`clora_feedback.integrations.langchain`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import threading
 import time
 import uuid
 from collections.abc import Coroutine, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Literal, TypedDict, TypeVar, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from clora_feedback.config import KafkaConfig
 from clora_feedback.errors import (
@@ -59,109 +59,46 @@ from clora_feedback.errors import (
     UnavailableError,
 )
 from clora_feedback.schemas.feedback import (
-    EVENT_TYPES,
+    SIGNATURE_HEADER,
     Correction,
+    Event,
+    FeedbackReceipt,
     Outcome,
+    RejectedEvent,
     Resolution,
     Reward,
+    event_validation_error,
     parse_events,
+    sign_body,
 )
 
-Event = Correction | Resolution | Reward
+__all__ = [
+    "SIGNATURE_HEADER",
+    "AsyncFeedbackClient",
+    "Event",
+    "EventFields",
+    "EventLike",
+    "FeedbackClient",
+    "FeedbackDeliveryError",
+    "FeedbackReceipt",
+    "RejectedEvent",
+    "error_from_response",
+    "event_validation_error",
+    "new_event_id",
+    "sign_body",
+    "to_events",
+]
+
 EventLike = Event | Mapping[str, Any]
 """An event model, or its JSON object (validated; `event_id` and `source` filled in when absent)."""
 
-SIGNATURE_HEADER = "X-Clora-Signature"
 FEEDBACK_PATH = "/v1/feedback"
 DEFAULT_SOURCE = "clora-client"
 _T = TypeVar("_T")
 
 
-# -- the wire contract shared with the webhook ----------------------------------------
-
-
 FeedbackDeliveryError = UnavailableError
 """Feedback could not be delivered (network, broker or server unavailable); safe to resend."""
-
-
-class RejectedEvent(BaseModel):
-    """An event the store refused, and why (nothing of it was stored; fix and resend)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    event_id: str
-    reason: str
-
-
-class FeedbackReceipt(BaseModel):
-    """What one send reports (the JSON body `POST /v1/feedback` answers with).
-
-    Attributes:
-        delivery: `store` (applied by the gateway itself) or `kafka` (acknowledged by
-            the broker; the ingest consumer joins it later).
-        accepted: events taken (all for `kafka`; all but the rejected for `store`).
-        event_ids: every event of the request, in order.
-        joined: events whose rewards are now joined to their trajectories.
-        parked: events naming a completion not stored yet; joined when it arrives,
-            dead-lettered after the configured TTL.
-        duplicates: events already applied before (by `event_id`); nothing changed.
-        rejected: events that can never apply (e.g. a diff that does not match).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    delivery: Literal["store", "kafka"]
-    accepted: int
-    event_ids: list[str]
-    joined: list[str] = Field(default_factory=list)
-    parked: list[str] = Field(default_factory=list)
-    duplicates: list[str] = Field(default_factory=list)
-    rejected: list[RejectedEvent] = Field(default_factory=list)
-
-
-def sign_body(body: bytes, secret: str) -> str:
-    """The `X-Clora-Signature` value for `body`: `sha256=` + hex HMAC-SHA256 under `secret`."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
-def _field_path(loc: Sequence[int | str], error_type: str) -> str | None:
-    """A pydantic error location as the JSON path of the field in the body.
-
-    `(1, "resolution", "outcome")` -> `"[1].outcome"`; `("reward", "completion_ids", 2)`
-    -> `"completion_ids[2]"`. The discriminator tag pydantic inserts is not a field.
-    """
-    items = list(loc)
-    parts: list[str] = []
-    if items and isinstance(items[0], int):
-        parts.append(f"[{items.pop(0)}]")
-    if items and items[0] in EVENT_TYPES:
-        items.pop(0)
-    for item in items:
-        parts.append(f"[{item}]" if isinstance(item, int) else (f".{item}" if parts else item))
-    if error_type in ("union_tag_not_found", "union_tag_invalid"):
-        parts.append(".kind" if parts else "kind")
-    return "".join(parts) or None
-
-
-def event_validation_error(exc: ValidationError) -> InvalidRequestError:
-    """One `InvalidRequestError` (400) naming the first bad field, e.g. `param="[0].outcome"`."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    param = _field_path(first["loc"], first["type"])
-    messages: list[str] = []
-    for err in errors:
-        if _field_path(err["loc"], err["type"]) != param:
-            continue
-        if err["type"] == "union_tag_not_found":
-            text = f"required, one of {', '.join(repr(k) for k in EVENT_TYPES)}"
-        else:
-            text = str(err["msg"]).removeprefix("Value error, ")
-        if text not in messages:
-            messages.append(text)
-    text = "; ".join(messages[:3])
-    return InvalidRequestError(
-        f"{param}: {text}" if param else text, param=param, code="invalid_event"
-    )
 
 
 def to_events(
@@ -288,7 +225,8 @@ class _KafkaDelivery:
     """The ingest's `FeedbackProducer`, started on first use (on the loop that sends)."""
 
     def __init__(self, bootstrap_servers: str, topics: KafkaConfig | None) -> None:
-        from clora_feedback.feedback.kafka import build_producer
+        # Lazy: aiokafka loads only for Kafka delivery.
+        from clora_feedback.feedback.records import build_producer
 
         self._producer = build_producer(topics or KafkaConfig(), bootstrap_servers)
         self._started = False

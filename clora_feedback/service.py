@@ -5,184 +5,59 @@
                                <-  Kafka consumer group  <-  topics  <-  webhook producer, outside systems
     adapter registry           <-> trainer (publishes in place), guard (rolls back), admin routes
 
-Kafka: with `feedback.kafka.bootstrap_servers` set, the gateway produces
-webhook events to the topics and a consumer group applies them, so every
-piece of feedback flows through the log. With none, the embedded default
-starts a local Tansu broker for outside producers (unless `embedded_broker`
-is false) and the webhook writes straight to the SQLite store: this Tansu
-build keeps its log in memory only, so an event acknowledged through it
-could be lost with the process, while the store's commit is durable.
+Feedback: one `FeedbackIngest` applies webhook and Kafka events, rejoins
+parked ones and dead-letters the rest; `FeedbackPipeline`
+(`clora_feedback.feedback.pipeline`) says when the webhook produces to Kafka
+and when it writes straight to the store.
+
+`build_service` returns a typed `Service` record: the app to serve, and the
+parts callers (the demo, benchmarks, tests) read, instead of `app.state`.
 
 Versions: a configured agent's `adapter_path` is imported once as its
-version 1; after that (and after every restart) the engine serves each
-agent's active registry version, so training survives restarts.
+version 1; after that (and after every restart) the deployer makes the engine
+serve each agent's active registry version, so training survives restarts and
+an unloaded adapter stays unloaded. Publish, rollback (operator or guard) and
+load/unload only move the pointer, through the deployer.
 
-Not here: HTTP handlers (see `gateway`), training math (see `train`).
+Not here: HTTP handlers (see `gateway`), training math (see `train`), the
+Kafka lifecycle (see `feedback.pipeline`), running uvicorn (`serve`, below, is
+the only entry; `clora serve` calls it).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI
 
 from clora_feedback.config import DEFAULT_MODEL, Settings
-from clora_feedback.engine.embedded import EmbeddedEngine
-from clora_feedback.errors import StoreError
-from clora_feedback.feedback.broker import LocalBroker
-from clora_feedback.feedback.kafka import (
-    FeedbackConsumer,
-    FeedbackProducer,
-    build_consumer,
-    build_producer,
-)
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.engine.base import Engine
+from clora_feedback.engine.deployer import Deployer
+from clora_feedback.engine.embedded import EmbeddedEngine, resolve_device
+from clora_feedback.engine.factory import build_engine
+from clora_feedback.errors import ConflictError
+from clora_feedback.feedback.ingest import FeedbackIngest
+from clora_feedback.feedback.pipeline import FeedbackPipeline
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.app import Component, create_app
-from clora_feedback.gateway.feedback import ParkedRejoiner, build_feedback_router
+from clora_feedback.gateway.feedback import build_feedback_router
 from clora_feedback.gateway.metrics import Family
-from clora_feedback.lora.weights import LoRAWeights
+from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.models.resolve import resolve_model_dir
-from clora_feedback.schemas.feedback import Correction, Resolution, Reward
 from clora_feedback.store.registry import AdapterRegistry
-from clora_feedback.store.trajectories import AsyncTrajectoryStore
+from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryStore
 from clora_feedback.train.guard import RegressionGuard
+from clora_feedback.train.policy import DecoderPolicy, PolicyModel
 from clora_feedback.train.trainer import ContinualTrainer
 
 log = logging.getLogger(__name__)
-
-
-class RegistryVersions:
-    """The gateway's `VersionSource` backed by the registry: a runtime-loaded adapter
-    becomes an immutable version (its parent the active one)."""
-
-    def __init__(self, registry: AdapterRegistry, base_model: str):
-        self.registry = registry
-        self.base_model = base_model
-
-    def adopt(self, agent: str, path: Path, weights: LoRAWeights) -> int:
-        active = self.registry.active(agent) if self._known(agent) else None
-        info = self.registry.publish(
-            agent,
-            weights,
-            optimizer_state=None,
-            base_model=self.base_model,
-            parent=active.version if active else None,
-            step=0,
-            metrics={},
-            feedback_window={"source": str(Path(path).resolve())},
-        )
-        return info.version
-
-    def _known(self, agent: str) -> bool:
-        return any(a.agent == agent for a in self.registry.agents())
-
-
-class ActiveVersions:
-    """At start-up, install every agent's active registry version in the engine."""
-
-    def __init__(self, registry: AdapterRegistry, engine: EmbeddedEngine, agents: AgentRegistry):
-        self.registry, self.engine, self.agents = registry, engine, agents
-
-    async def start(self) -> None:
-        for info in await asyncio.to_thread(self.registry.agents):
-            if info.active_version is None:
-                continue
-            weights, _ = await asyncio.to_thread(
-                self.registry.load, info.agent, info.active_version, limits=self.engine.lora_limits
-            )
-            self.engine.set_adapter(info.agent, info.active_version, weights)
-            self.agents.restore(info.agent, info.active_version)
-            log.info("agent %s: serving active version %d", info.agent, info.active_version)
-
-    async def stop(self) -> None:
-        return None
-
-
-class FeedbackPipeline:
-    """The Kafka side: a local broker when needed, the webhook's producer, the consumer group."""
-
-    def __init__(self, settings: Settings, store: FeedbackStore, agents: AgentRegistry):
-        self.settings = settings
-        self.store = store
-        self.agents = agents
-        self.broker: LocalBroker | None = None
-        self.producer: FeedbackProducer | None = None
-        self.consumer: FeedbackConsumer | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def enabled(self) -> bool:
-        kafka = self.settings.feedback.kafka
-        return kafka.bootstrap_servers is not None or kafka.embedded_broker
-
-    @property
-    def durable_log(self) -> bool:
-        """Whether producing to the log is as durable as writing the store (a real cluster)."""
-        return self.settings.feedback.kafka.bootstrap_servers is not None
-
-    async def start(self) -> None:
-        kafka = self.settings.feedback.kafka
-        bootstrap = kafka.bootstrap_servers
-        if bootstrap is None:
-            broker = LocalBroker(
-                self.settings.data_dir / "kafka",
-                topics=(*kafka.topics, kafka.dead_letter_topic),
-                partitions=3,
-            )
-            await broker.astart()
-            self.broker = broker
-            bootstrap = broker.bootstrap
-            log.info("embedded Kafka-protocol broker (Tansu) on %s", bootstrap)
-        producer = build_producer(kafka, bootstrap)
-        await producer.start()
-        self.producer = producer
-        consumer = build_consumer(
-            self.store, self.settings.feedback, bootstrap, known_agents=self._known
-        )
-        await consumer.start()
-        self.consumer = consumer
-        self._task = asyncio.create_task(self._consume(consumer), name="clora-feedback-consumer")
-
-    async def _consume(self, consumer: FeedbackConsumer) -> None:
-        """Keep the consumer running: a failed batch was not committed, so it replays."""
-        while True:
-            try:
-                await consumer.run()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception(
-                    "feedback consumer failed; retrying in 1 s (uncommitted records replay)"
-                )
-                await asyncio.sleep(1.0)
-
-    def _known(self) -> set[str]:
-        return set(self.agents.names())
-
-    async def send(self, event: Correction | Resolution | Reward) -> object:
-        """`FeedbackSink` for the webhook: produce to the event's topic, acked by the cluster."""
-        if self.producer is None:
-            raise StoreError("the feedback pipeline is not started", code="not_started")
-        return await self.producer.send(event)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task  # the consumer's own errors were logged by it
-        if self.consumer is not None:
-            await self.consumer.stop()
-        if self.producer is not None:
-            await self.producer.stop()
-        if self.broker is not None:
-            await self.broker.astop()
 
 
 _TRAINER_HELP = {
@@ -222,56 +97,155 @@ def _consumer_families(pipeline: FeedbackPipeline) -> list[Family]:
     ]  # fmt: skip
 
 
-def build_service(settings: Settings) -> FastAPI:
+@dataclass(frozen=True)
+class Service:
+    """Everything `build_service` built; `app` serves it, the rest is for callers to read.
+
+    The app's lifespan starts and stops the parts (engine, stores, components);
+    holding a part here does not start it.
+    """
+
+    app: FastAPI
+    """The gateway app to run (uvicorn, `TestClient`, the demo's `LocalServer`)."""
+    engine: Engine
+    """The serving engine (`engine.kind`; `build_engine`)."""
+    trajectories: AsyncTrajectoryStore
+    """The trajectory store the gateway records into."""
+    feedback: FeedbackStore
+    """The feedback store (rewards joined to trajectories)."""
+    registry: AdapterRegistry
+    """The adapter registry: versions and the active pointer."""
+    agents: AgentRegistry
+    """The gateway's agent table."""
+    pipeline: FeedbackPipeline
+    """The feedback ingest and, when configured, its Kafka side."""
+    trainer: ContinualTrainer | None
+    """The continual trainer; None when training is off in this process."""
+    guard: RegressionGuard | None
+    """The regression guard; None when disabled."""
+    deployer: Deployer | None = None
+    """What makes the engine serve the registry's active pointer (when wired)."""
+
+    @property
+    def ingest(self) -> FeedbackIngest:
+        """The one feedback ingest (webhook and Kafka)."""
+        return self.pipeline.ingest
+
+
+def serve(settings: Settings) -> None:
+    """Build the service from `settings` and serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    service = build_service(settings)
+    config = uvicorn.Config(service.app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.Server(config).run()
+
+
+def build_policy(engine: object, model_dir: Path, settings: Settings, name: str) -> PolicyModel:
+    """The trainer's model: the embedded engine's own base tensors, else its own copy.
+
+    Sharing is the one-box memory win (the trainer only reads the base); any
+    other engine (or a trainer in another process) gets a copy from `model_dir`.
+    """
+    if isinstance(engine, EmbeddedEngine):
+        return DecoderPolicy.shared_with(engine)
+    return DecoderPolicy.from_dir(
+        model_dir,
+        max_lora_rank=settings.engine.max_lora_rank,
+        target_modules=tuple(settings.engine.lora_target_modules),
+        model_name=name,
+        max_model_len=settings.engine.max_model_len,
+        dtype=getattr(torch, settings.engine.dtype),
+        device=resolve_device(settings.engine.device),
+    )
+
+
+def _register_initial(
+    registry: AdapterRegistry, agent: str, path: Path, base_model: str, limits: LoRALimits
+) -> None:
+    """Import a configured agent's adapter as its version 1, once; an agent an operator
+    unloaded (versions, no active pointer) stays on the base model across restarts."""
+    try:
+        registry.register_initial(agent, path, base_model=base_model, limits=limits)
+    except ConflictError as exc:
+        if exc.code != "no_active_version":
+            raise
+        log.info("agent %s: unloaded earlier; the base model serves it", agent)
+
+
+def build_service(settings: Settings) -> Service:
     """Resolve the model and build the engine, stores, registry, trainer, guard and feedback paths."""
     model_dir = resolve_model_dir(settings.engine.model, settings.model_cache_dir)
     name = DEFAULT_MODEL if settings.engine.model == DEFAULT_MODEL else model_dir.name
-    engine = EmbeddedEngine(model_dir, settings.engine, model_name=name)
+    engine = build_engine(settings.engine, model_dir, name)
     store = AsyncTrajectoryStore(settings.trajectory_db)
-    feedback = FeedbackStore(settings.trajectory_db, RewardPolicy(settings.feedback))
+    # The one reward mapping: applied when samples are read, by this process only.
+    policy = DefaultRewardPolicy(settings.feedback)
+    # The feedback store joins through a read connection of the trajectory store's own.
+    feedback = FeedbackStore(
+        settings.trajectory_db, trajectories=TrajectoryStore(settings.trajectory_db), policy=policy
+    )
     registry = AdapterRegistry(settings.adapters_dir, settings.registry_db)
     for agent in settings.agents:  # initial adapters become version 1, once
         if agent.adapter_path is not None:
-            registry.register_initial(
-                agent.name, agent.adapter_path, base_model=name, limits=engine.lora_limits
-            )
+            _register_initial(registry, agent.name, agent.adapter_path, name, engine.lora_limits)
     serving = settings.model_copy(
         update={"agents": [a.model_copy(update={"adapter_path": None}) for a in settings.agents]}
     )
-    agents = AgentRegistry(engine, versions=RegistryVersions(registry, name))
+    deployer = Deployer(
+        engine,
+        registry,
+        poll_interval_s=settings.engine.adapter_poll_interval_s,
+        base_model=name,
+    )
+    agents = AgentRegistry(engine, deployer)  # create_app starts the deployer first
 
     def trainable() -> list[str]:
         known = set(agents.names())
         return [a for a in feedback.agents_with_rewards() if a in known]
 
-    trainer = ContinualTrainer(
-        engine, feedback, registry, settings.trainer, agents=trainable, base_model=name
+    trainer = None
+    if settings.trainer.enabled:  # the deployer installs versions: no trainer needed for that
+        trainer = ContinualTrainer(
+            build_policy(engine, model_dir, settings, name), feedback, registry, settings.trainer,
+            agents=trainable, base_model=name, deployer=deployer,
+        )  # fmt: skip
+    components: list[Component] = []
+    pipeline = FeedbackPipeline(
+        settings.feedback, feedback, agents.names, broker_dir=settings.data_dir / "kafka"
     )
-    components: list[Component] = [ActiveVersions(registry, engine, agents)]
-    pipeline = FeedbackPipeline(settings, feedback, agents)
-    if pipeline.enabled:
-        components.append(pipeline)
-    else:
-        components.append(ParkedRejoiner(feedback, ttl_s=settings.feedback.park_ttl_s))
-    if settings.trainer.enabled:
+    components.append(pipeline)
+    if trainer is not None:
         components.append(trainer)
+    guard = None
     if settings.trainer.guard.enabled:
-        components.append(
-            RegressionGuard(
-                registry,
-                feedback.rewards_by_version,
-                settings.trainer.guard,
-                on_rollback=trainer.activate_async,
-            )
+        guard = RegressionGuard(
+            registry,
+            feedback.rewards_by_version,
+            settings.trainer.guard,
+            deployer=deployer,
+            reward_policy=policy.id,
         )
+        components.append(guard)
     routers = [
-        build_feedback_router(feedback, settings, pipeline if pipeline.durable_log else None),
-        build_adapters_router(registry, trainer.activate_async),
+        build_feedback_router(
+            pipeline.ingest, settings, pipeline if pipeline.durable_log else None
+        ),
+        build_adapters_router(registry, deployer),
     ]
     app = create_app(serving, engine, store, agents=agents, routers=routers, components=components)
-    app.state.gateway.metrics.add_source(lambda: _trainer_families(trainer))
+    if trainer is not None:
+        app.state.gateway.metrics.add_source(functools.partial(_trainer_families, trainer))
     app.state.gateway.metrics.add_source(lambda: _consumer_families(pipeline))
-    app.state.trainer = trainer
-    app.state.registry = registry
-    app.state.feedback = feedback
-    return app
+    return Service(
+        app=app,
+        engine=engine,
+        trajectories=store,
+        feedback=feedback,
+        registry=registry,
+        agents=agents,
+        pipeline=pipeline,
+        trainer=trainer,
+        guard=guard,
+        deployer=deployer,
+    )

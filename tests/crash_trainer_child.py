@@ -18,19 +18,25 @@ import clora_feedback.store.artifact as artifact
 import clora_feedback.train.step as step_module
 from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.trajectories import TrajectoryStore
+from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.trainer import ContinualTrainer
 
 
 def main() -> None:
     root, model_dir, where = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     engine = EmbeddedEngine(model_dir, EngineConfig(max_num_seqs=2, max_loras=2, max_model_len=256))
-    feedback = FeedbackStore(root / "t.db", RewardPolicy(FeedbackConfig()))
+    feedback = FeedbackStore(
+        root / "t.db",
+        trajectories=TrajectoryStore(root / "t.db"),
+        policy=DefaultRewardPolicy(FeedbackConfig()),
+    )
     registry = AdapterRegistry(root / "adapters", root / "registry.db")
     config = TrainerConfig(admission=AdmissionConfig(min_batch=2, max_batch=4), lr=1e-2)
-    trainer = ContinualTrainer(engine, feedback, registry, config)
+    trainer = ContinualTrainer(DecoderPolicy.shared_with(engine), feedback, registry, config)
 
     def die(*_: object, **__: object) -> None:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -19,7 +19,7 @@ import pytest
 from clora_feedback.config import FeedbackConfig, KafkaConfig
 from clora_feedback.feedback.broker import LocalBroker
 from clora_feedback.feedback.kafka import FeedbackConsumer
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
 
@@ -46,7 +46,11 @@ def kafka_broker(tmp_path: Path) -> Iterator[LocalBroker]:
 @pytest.fixture
 def feedback_store(tmp_path: Path) -> Iterator[FeedbackStore]:
     """A feedback store (with its trajectory tables) in `tmp_path/trajectories.db`."""
-    store = FeedbackStore(tmp_path / "trajectories.db", RewardPolicy(FeedbackConfig()))
+    store = FeedbackStore(
+        tmp_path / "trajectories.db",
+        trajectories=TrajectoryStore(tmp_path / "trajectories.db"),
+        policy=DefaultRewardPolicy(FeedbackConfig()),
+    )
     yield store
     store.close()
 

@@ -1,8 +1,8 @@
 """Admin routes for adapter versions, and the `clora adapters` CLI that drives them.
 
 Route behaviour (auth, listing, 404/409/400, rollback ordering between the
-engine and the registry, pin) is tested with FastAPI's TestClient on a minimal
-app. One end-to-end test runs the real gateway (tiny model, embedded engine)
+engine and the registry, which the deployer owns, pin) is tested with FastAPI's
+TestClient on a minimal app. One end-to-end test runs the real gateway (tiny model, embedded engine)
 under uvicorn with the router mounted, rolls back through the CLI, and checks
 that the next completion is served by the rolled-back version.
 """
@@ -10,7 +10,6 @@ that the next completion is served by the rolled-back version.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import socket
 import threading
 import time
@@ -25,6 +24,8 @@ from fastapi.testclient import TestClient
 
 from clora_feedback.cli.adapters import add_adapters_parser, run_adapters
 from clora_feedback.config import EngineConfig, Settings
+from clora_feedback.engine.deployer import Deployer
+from clora_feedback.engine.types import AdapterRef
 from clora_feedback.errors import AdapterError, StoreError
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.auth import KeyAuthenticator
@@ -60,16 +61,23 @@ def _fill(registry: AdapterRegistry, agent: str, count: int) -> None:
 
 
 class Activations:
-    """A fake engine switch: records calls, optionally fails."""
+    """A fake engine behind the deployer: records the versions it is asked to serve,
+    optionally refuses one."""
+
+    model_name = "tiny-base"
+    lora_limits = LIMITS
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
         self.fail_on: int | None = None
 
-    async def __call__(self, agent: str, version: int) -> None:
-        if version == self.fail_on:
-            raise AdapterError(f"version {version} does not fit the engine")
-        self.calls.append((agent, version))
+    async def load_adapter(self, ref: AdapterRef) -> None:
+        if ref.version == self.fail_on:
+            raise AdapterError(f"version {ref.version} does not fit the engine")
+        self.calls.append((ref.agent, ref.version))
+
+    async def unload_adapter(self, agent: str) -> None:
+        return None
 
 
 def _app(registry: Any, activations: Activations) -> FastAPI:
@@ -79,7 +87,8 @@ def _app(registry: Any, activations: Activations) -> FastAPI:
     app = FastAPI()
     app.state.authenticator = KeyAuthenticator(settings)
     install_error_handlers(app)
-    app.include_router(build_adapters_router(registry, activations))
+    deployer = Deployer(activations, registry)  # type: ignore[arg-type]
+    app.include_router(build_adapters_router(registry, deployer))
     return app
 
 
@@ -301,16 +310,12 @@ def test_cli_rollback_switches_the_serving_engine(
     engine = EmbeddedEngine(tiny_model_dir, engine_config, model_name="tiny-base")
     registry = AdapterRegistry(tmp_path / "adapters", tmp_path / "data" / "registry.db")
     _fill(registry, "support", 2)
-    engine.set_adapter("support", 2, registry.load("support", 2, limits=engine.lora_limits)[0])
+    deployer = Deployer(engine, registry)  # serves the active version 2 from start-up
 
-    async def on_activate(agent: str, version: int) -> None:
-        weights, _ = await asyncio.to_thread(
-            registry.load, agent, version, limits=engine.lora_limits
-        )
-        engine.set_adapter(agent, version, weights)
-
-    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
-    app.include_router(build_adapters_router(registry, on_activate))
+    app = create_app(
+        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=deployer
+    )
+    app.include_router(build_adapters_router(registry, deployer))
     with _serve(app) as url:
         openai = OpenAI(base_url=f"{url}/v1", api_key="admin-key", max_retries=0)
 

@@ -11,7 +11,7 @@ def _sample(i: int, versions: list[int], kind: str = "resolution") -> TrainingSa
     return TrainingSample(
         completion_id=f"c{i}", sample_index=0, agent="a", adapter_version=versions[0], prompt_token_ids=[1],
         completion_token_ids=[2] * len(versions), logprobs=[-1.0] * len(versions), token_versions=versions,
-        rewards=[(f"e{i}", kind, 1.0)], targets=[], last_seq=i, created_at=0.0,
+        rewards=[(f"e{i}", kind, 1.0)], targets=[], last_seq=i, created_at=0.0, reward=1.0, source=kind,
     )  # fmt: skip
 
 

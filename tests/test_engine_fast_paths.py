@@ -9,6 +9,9 @@
   every batch size the engine uses.
 - `LoRAModel.decode` (rows in any order, equal or different positions, so with
   and without the attention mask) against Hugging Face on the full sequence.
+- `LoRAModel.prefill` and `decode` with adapters in their slots against the
+  shared differentiable forward (`clora_feedback.model.decoder`) on the same
+  base tensors, so the engine and the trainer compute one model.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from clora_feedback.engine.dense import DenseKernels
+from clora_feedback.engine.dense import DenseKernels, packed_supported
 from clora_feedback.engine.model import KVCache, LoRAModel, LoRASlots
 from clora_feedback.lora.ops import (
     LoRABatch,
@@ -29,6 +32,8 @@ from clora_feedback.lora.ops import (
     lora_delta,
     lora_delta_reference,
 )
+from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.model.decoder import forward_hidden
 from clora_feedback.models.tiny import build_tiny_model_dir
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -127,9 +132,12 @@ def test_block_form_update_matches_reference(
     torch.testing.assert_close(y, base + ref)
 
 
+CPU = torch.device("cpu")
+
+
 def _kernels(dtype: torch.dtype) -> list[str]:
     names = ["linear", "blocked"]
-    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if packed_supported(dtype, CPU):  # a CPU-feature probe: the same answer on every run
         names.append("packed")
     return names
 
@@ -172,9 +180,19 @@ def test_auto_kernel_per_dtype() -> None:
         }
     ]
     assert DenseKernels.build(w, torch.randn(64, 8)).name == "blocked"
-    if torch.backends.mkldnn.is_available():
-        wb = [{k: v.bfloat16() for k, v in w[0].items()}]
-        assert DenseKernels.build(wb, torch.randn(64, 8).bfloat16()).name == "packed"
+    wb = [{k: v.bfloat16() for k, v in w[0].items()}]
+    head = torch.randn(64, 8).bfloat16()
+    expected = "packed" if packed_supported(torch.bfloat16, CPU) else "linear"
+    assert DenseKernels.build(wb, head).name == expected
+    # Forcing `packed` where this CPU has no oneDNN bf16 path falls back to `linear`,
+    # deterministically; whatever is chosen computes F.linear.
+    forced = DenseKernels.build(wb, head, "packed")
+    assert forced.name == expected
+    x = torch.randn(5, 8).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            forced.lm_head(x).float(), F.linear(x.float(), head.float()), rtol=2e-2, atol=0.3
+        )
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +218,45 @@ def test_decode_rows_in_any_order_match_hf(model_dir: Path, same_length: bool) -
         for i, ids in enumerate(prompts):
             expected = hf(ids.unsqueeze(0)).logits[0, -1]
             assert (logits[i] - expected).abs().max().item() < 1e-4
+
+
+class _SlotLoRA:
+    """The engine's slot buffers read through the plain reference (a decoder `LoRAUpdate`)."""
+
+    def __init__(self, model: LoRAModel, slots: list[int]):
+        self.model, self.slot_ids = model, torch.tensor(slots)
+
+    def delta(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor | None:
+        slots = self.model.slots[layer].get(group)
+        if slots is None:
+            return None
+        return lora_delta_reference(x, slots.a, slots.dense_b(), self.slot_ids)
+
+
+def test_fast_paths_with_adapters_match_the_shared_decoder(model_dir: Path) -> None:
+    model = LoRAModel.from_dir(model_dir, max_loras=3, max_lora_rank=8, target_modules=ALL)
+    for slot, (rank, targets) in enumerate([(4, ("q_proj", "v_proj")), (8, ALL)], start=1):
+        model.write_slot(
+            slot, random_lora_weights(model.limits, rank=rank, seed=slot, target_modules=targets)
+        )
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=gen) for n in (7, 11, 5)]
+    row_slots = [1, 2, 0]
+    cache = KVCache(model.config, 4, 32, torch.float32, torch.device("cpu"))
+    prefilled = [
+        model.prefill(ids[:-1], cache, row, slot)
+        for row, (ids, slot) in enumerate(zip(prompts, row_slots, strict=True))
+    ]
+    last = torch.stack([p[-1] for p in prompts])
+    positions = torch.tensor([len(p) - 1 for p in prompts])
+    decoded = model.decode(last, [0, 1, 2], positions, LoRABatch.from_slots(row_slots), cache)
+    with torch.no_grad():
+        for i, (ids, slot) in enumerate(zip(prompts, row_slots, strict=True)):
+            hidden = forward_hidden(model.base, ids.unsqueeze(0), _SlotLoRA(model, [slot]))[0]
+            logits = hidden @ model.base.lm_head.t()  # [T, V]
+            torch.testing.assert_close(prefilled[i], logits[-2], atol=1e-4, rtol=0)
+            torch.testing.assert_close(decoded[i], logits[-1], atol=1e-4, rtol=0)
+        base_only = (
+            forward_hidden(model.base, prompts[0].unsqueeze(0))[0, -1] @ model.base.lm_head.t()
+        )
+    assert (decoded[0] - base_only).abs().max() > 1e-3  # the adapter really changes the output

@@ -37,16 +37,22 @@ from clora_feedback.errors import (
     UnavailableError,
 )
 from clora_feedback.feedback.broker import LocalBroker
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.ingest import FeedbackIngest, LogDeadLetters
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.gateway.feedback import build_feedback_router
+from clora_feedback.store.trajectories import TrajectoryStore
 
 __all__ = ["kafka_broker"]  # a fixture, imported for pytest
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[FeedbackStore]:
-    s = FeedbackStore(tmp_path / "feedback.db", RewardPolicy(FeedbackConfig()))
+    s = FeedbackStore(
+        tmp_path / "feedback.db",
+        trajectories=TrajectoryStore(tmp_path / "feedback.db"),
+        policy=DefaultRewardPolicy(FeedbackConfig()),
+    )
     s.trajectories.record(trajectory("c-support", texts=("hello world",)))
     s.trajectories.record(trajectory("c-sales", agent="sales"))
     yield s
@@ -295,8 +301,13 @@ def test_completion_from_the_gateway_gets_its_reward(tiny_model_dir: Path, tmp_p
     )
     engine = EmbeddedEngine(tiny_model_dir, engine_config, model_name="tiny-base")
     app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
-    feedback = FeedbackStore(settings.trajectory_db, RewardPolicy(settings.feedback))
-    app.include_router(build_feedback_router(feedback, settings))
+    feedback = FeedbackStore(
+        settings.trajectory_db,
+        trajectories=TrajectoryStore(settings.trajectory_db),
+        policy=DefaultRewardPolicy(settings.feedback),
+    )
+    ingest = FeedbackIngest(feedback, LogDeadLetters(), park_ttl_s=settings.feedback.park_ttl_s)
+    app.include_router(build_feedback_router(ingest, settings))
     try:
         with serve(app, lifespan="on") as url:
             from openai import OpenAI

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
+import struct
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,10 +16,15 @@ from pydantic import ValidationError
 from clora_feedback.config import FeedbackConfig, RewardPolicyConfig
 from clora_feedback.errors import InvalidRequestError
 from clora_feedback.feedback.diff import apply_unified_diff
-from clora_feedback.feedback.rewards import RewardPolicy, edit_similarity
+from clora_feedback.feedback.rewards import (
+    DefaultRewardPolicy,
+    Judgement,
+    RewardSignal,
+    edit_similarity,
+)
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_event
-from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
 
 
 def _trajectory(
@@ -37,9 +46,13 @@ def _trajectory(
 
 @pytest.fixture
 def store(tmp_path: Path) -> FeedbackStore:
-    s = FeedbackStore(tmp_path / "t.db", RewardPolicy(FeedbackConfig()))
+    trajectories = TrajectoryStore(tmp_path / "t.db")
+    s = FeedbackStore(
+        tmp_path / "t.db", trajectories=trajectories, policy=DefaultRewardPolicy(FeedbackConfig())
+    )
     yield s
     s.close()
+    trajectories.close()
 
 
 def _res(
@@ -113,7 +126,7 @@ def test_reward_policy() -> None:
     config = FeedbackConfig(
         agent_rewards={"vip": RewardPolicyConfig(score_weight=1.0, correction_floor=-1.0)}
     )
-    policy = RewardPolicy(config)
+    policy = DefaultRewardPolicy(config)
     res = Resolution(
         event_id="e", agent="a", completion_id="c", source="s", outcome="reopened", score=0.8
     )
@@ -197,3 +210,227 @@ def test_diff_that_does_not_match_is_refused() -> None:
         apply_unified_diff("a\nb\n", "@@ -1,2 +1,2 @@\n a\n-c\n+d\n")
     with pytest.raises(InvalidRequestError, match="no hunks"):
         apply_unified_diff("a\n", "--- a\n+++ b\n")
+
+
+# -- rewards at read time, from one policy ----------------------------------------------------
+
+
+def _open(path: Path, config: FeedbackConfig, trajectories: TrajectoryStore) -> FeedbackStore:
+    return FeedbackStore(path, trajectories=trajectories, policy=DefaultRewardPolicy(config))
+
+
+def test_a_new_mapping_applies_to_events_already_stored(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    with TrajectoryStore(path) as trajectories:
+        trajectories.record(_trajectory("c1", texts=("a", "b")))
+        before = _open(path, FeedbackConfig(), trajectories)
+        assert before.apply([_res("e1", "c1", outcome="escalated")]).joined == ["e1"]
+        assert [r["value"] for r in before.rewards_for("c1")] == [0.0, 0.0]
+        before.close()
+        # The mapping changes in one place (the policy's config); nothing is re-ingested.
+        generous = RewardPolicyConfig(outcome_rewards={"escalated": 0.25, "resolved": 1.0})
+        after = _open(path, FeedbackConfig(rewards=generous), trajectories)
+        assert [r["value"] for r in after.rewards_for("c1")] == [0.25, 0.25]
+        assert [s.reward for s in after.training_samples("support")] == [0.25, 0.25]
+        assert after.rewards_by_version("support", 1) == [0.25, 0.25]
+        assert after.reward_policy_id != before.reward_policy_id
+        assert after.reward_policy_id == DefaultRewardPolicy(FeedbackConfig(rewards=generous)).id
+        after.close()
+
+
+def test_policy_id_is_stable_and_names_the_mapping() -> None:
+    assert DefaultRewardPolicy(FeedbackConfig()).id == DefaultRewardPolicy(FeedbackConfig()).id
+    assert DefaultRewardPolicy(FeedbackConfig()).id.startswith("default-v1:")
+    vip = FeedbackConfig(agent_rewards={"vip": RewardPolicyConfig(score_weight=1.0)})
+    assert DefaultRewardPolicy(vip).id != DefaultRewardPolicy(FeedbackConfig()).id
+
+
+class _EveryOutput:
+    """A policy whose corrections judge every sample: the scope rule lives in the policy alone."""
+
+    def __init__(self) -> None:
+        self._inner = DefaultRewardPolicy(FeedbackConfig())
+
+    @property
+    def id(self) -> str:
+        return "every-output-v1"
+
+    def judges(self, event: object, sample_index: int) -> bool:
+        return True
+
+    def signal(self, event: Correction | Resolution | Reward, output_text: str) -> RewardSignal:
+        return self._inner.signal(event, output_text)
+
+    def reward(self, judged: Sequence[Judgement]) -> float:
+        return min(j.signal.value for j in judged)
+
+    def source(self, judged: Sequence[Judgement]) -> str:
+        return "mixed" if len({j.kind for j in judged}) > 1 else judged[0].kind
+
+
+def test_scope_aggregation_and_source_come_from_the_policy(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    with TrajectoryStore(path) as trajectories:
+        trajectories.record(_trajectory("c1", texts=("hello world", "hi")))
+        fix = Correction(
+            event_id="k", agent="support", completion_id="c1", source="t", corrected_content="hi"
+        )
+        default = _open(path, FeedbackConfig(), trajectories)
+        default.apply([Incoming(fix, "test"), _res("r", "c1")])
+        by_sample = {s.sample_index: s for s in default.training_samples("support")}
+        assert by_sample[0].rewards[0][:2] == ("k", "correction") and len(by_sample[1].rewards) == 1
+        assert by_sample[0].source == "resolution"  # the most recent event's kind
+        default.close()
+        other = FeedbackStore(path, trajectories=trajectories, policy=_EveryOutput())
+        samples = {s.sample_index: s for s in other.training_samples("support")}
+        assert [len(s.rewards) for s in samples.values()] == [2, 2]
+        assert samples[1].reward == 1.0 and samples[1].source == "mixed"  # "hi" was the fix
+        assert samples[0].reward == pytest.approx(edit_similarity("hello world", "hi"))
+        other.close()
+
+
+def test_joins_go_through_the_trajectory_api_only(tmp_path: Path) -> None:
+    """Feedback in another file than the trajectories: no SQL can reach `completions`."""
+    with TrajectoryStore(tmp_path / "trajectories.db") as trajectories:
+        trajectories.record(_trajectory("c1", conv="t-1"))
+        trajectories.record(_trajectory("c2", conv="t-1"))
+        trajectories.record(_trajectory("c3", agent="coder", conv="t-1"))
+        assert trajectories.by_conversation("t-1") == ["c1", "c2", "c3"]
+        assert trajectories.by_conversation("t-1", agent="coder") == ["c3"]
+        assert trajectories.exists(["c1", "c9", "c3"]) == {"c1", "c3"}
+        assert set(trajectories.get_many(["c2", "c9"])) == {"c2"}
+        store = _open(tmp_path / "feedback.db", FeedbackConfig(), trajectories)
+        ev = Resolution(
+            event_id="r", agent="support", conversation_id="t-1", source="t", outcome="resolved"
+        )
+        report = store.apply([Incoming(ev, "test")])
+        assert report.rejected and "belongs to agent 'coder'" in report.rejected[0].reason
+        assert store.owners(["c1", "c3", "c9"]) == {"c1": "support", "c3": "coder"}
+        store.close()
+
+
+def test_training_samples_are_read_in_pages_with_a_safe_cursor(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    with TrajectoryStore(path) as trajectories:
+        store = _open(path, FeedbackConfig(), trajectories)
+        for i in range(7):
+            trajectories.record(_trajectory(f"c{i}", texts=("a", "b")))
+            store.apply([_res(f"e{i}", f"c{i}")])
+        seen: list[tuple[str, int]] = []
+        cursor = 0
+        while page := store.training_samples("support", after_seq=cursor, limit=3):
+            seen += [(s.completion_id, s.sample_index) for s in page]
+            cursor = max(s.last_seq for s in page)
+        assert sorted(seen) == sorted((f"c{i}", j) for i in range(7) for j in (0, 1))
+        store.close()
+
+
+def _old_schema_file(path: Path) -> None:
+    """A database as v1 of both stores wrote it (their DDL of the time, verbatim)."""
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        """
+        CREATE TABLE schema_version (version INTEGER NOT NULL);
+        INSERT INTO schema_version VALUES (1);
+        CREATE TABLE completions (
+            id TEXT PRIMARY KEY, agent TEXT NOT NULL, adapter_version INTEGER NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('chat', 'completion')), request TEXT NOT NULL,
+            prompt_token_ids BLOB NOT NULL, created_at REAL NOT NULL, timings TEXT NOT NULL,
+            api_key_agent TEXT
+        );
+        CREATE INDEX completions_by_time ON completions (created_at);
+        CREATE INDEX completions_by_agent_time ON completions (agent, created_at);
+        CREATE TABLE samples (
+            completion_id TEXT NOT NULL REFERENCES completions (id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL, text TEXT NOT NULL, completion_token_ids BLOB NOT NULL,
+            logprobs BLOB NOT NULL, token_versions BLOB NOT NULL, finish_reason TEXT,
+            tool_calls TEXT, PRIMARY KEY (completion_id, idx)
+        ) WITHOUT ROWID;
+        CREATE TABLE feedback_events (
+            event_id TEXT PRIMARY KEY, agent TEXT NOT NULL, kind TEXT NOT NULL,
+            payload TEXT NOT NULL, origin TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('joined', 'parked', 'dead')),
+            reason TEXT, received_at REAL NOT NULL, updated_at REAL NOT NULL
+        );
+        CREATE INDEX feedback_by_state ON feedback_events (state, received_at);
+        CREATE TABLE rewards (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            event_id TEXT NOT NULL REFERENCES feedback_events (event_id),
+            completion_id TEXT NOT NULL, sample_idx INTEGER NOT NULL, agent TEXT NOT NULL,
+            kind TEXT NOT NULL, value REAL NOT NULL, target TEXT, created_at REAL NOT NULL,
+            UNIQUE (event_id, completion_id, sample_idx)
+        );
+        """
+    )
+    blob = struct.pack("<3i", 5, 6, 7)
+    floats = struct.pack("<3d", -0.1, -0.2, -0.3)
+    for cid, conv, version in (("c1", "t-1", 1), ("c2", "t-1", 2), ("c3", None, 2)):
+        request = {"messages": [], "metadata": {"conversation_id": conv} if conv else {}}
+        conn.execute(
+            "INSERT INTO completions VALUES (?, 'support', ?, 'chat', ?, ?, 1.0, '{}', NULL)",
+            (cid, version, json.dumps(request), struct.pack("<2i", 1, 2)),
+        )
+        for idx in (0, 1):
+            conn.execute(
+                "INSERT INTO samples VALUES (?, ?, 'hello world', ?, ?, ?, 'stop', NULL)",
+                (cid, idx, blob, floats, blob),
+            )
+    events = [
+        Resolution(
+            event_id="r", agent="support", conversation_id="t-1", source="t", outcome="resolved"
+        ),
+        Reward(event_id="w", agent="support", completion_id="c3", source="t", value=0.5),
+    ]
+    for e in events:
+        conn.execute(
+            "INSERT INTO feedback_events VALUES (?, 'support', ?, ?, 'test', 'joined', NULL, 1.0, 1.0)",
+            (e.event_id, e.kind, e.model_dump_json()),
+        )
+    # Frozen values (deliberately wrong: 9.0) that the migration must not keep.
+    for seq, (eid, cid, idx) in enumerate(
+        [
+            ("r", "c1", 0),
+            ("r", "c1", 1),
+            ("r", "c2", 0),
+            ("r", "c2", 1),
+            ("w", "c3", 0),
+            ("w", "c3", 1),
+        ],
+        start=1,
+    ):
+        conn.execute(
+            "INSERT INTO rewards VALUES (?, ?, ?, ?, 'support', 'x', 9.0, NULL, 1.0)",
+            (seq, eid, cid, idx),
+        )
+    conn.commit()
+    conn.close()
+
+
+def test_an_old_schema_file_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    _old_schema_file(path)
+    with TrajectoryStore(path) as trajectories:
+        assert trajectories.by_conversation("t-1") == ["c1", "c2"]  # backfilled, indexed
+        assert trajectories.get_many(["c1"])["c1"].conversation_id == "t-1"
+        store = _open(path, FeedbackConfig(), trajectories)
+        samples = store.training_samples("support")
+        assert [(s.completion_id, s.sample_index, s.last_seq) for s in samples] == [
+            ("c1", 0, 2), ("c1", 1, 2), ("c2", 0, 4), ("c2", 1, 4), ("c3", 0, 6), ("c3", 1, 6),
+        ]  # fmt: skip
+        assert [s.reward for s in samples] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.5]  # recomputed
+        # A trainer whose cursor stood at seq 4 resumes exactly after it.
+        assert {s.completion_id for s in store.training_samples("support", after_seq=4)} == {"c3"}
+        assert store.rewards_by_version("support", 2) == [1.0, 1.0, 0.5, 0.5]
+        trajectories.record(_trajectory("c4"))  # new joins number on after the migrated ones
+        store.apply([_res("late", "c4")])
+        assert store.training_samples("support", after_seq=6)[0].last_seq == 7
+        store.close()
+        again = _open(path, FeedbackConfig(), trajectories)  # a second open changes nothing
+        assert len(again.training_samples("support")) == 7
+        again.close()
+    conn = sqlite3.connect(path)
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    versions = conn.execute("SELECT * FROM schema_version").fetchall()
+    feedback_versions = conn.execute("SELECT * FROM feedback_schema").fetchall()
+    conn.close()
+    assert "rewards" not in tables and versions == [(2,)] and feedback_versions == [(2,)]

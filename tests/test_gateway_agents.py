@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -9,11 +10,13 @@ import httpx
 import pytest
 
 from clora_feedback.config import AgentConfig, EngineConfig
+from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.errors import AdapterError, InvalidRequestError, NotFoundError
-from clora_feedback.gateway.agents import AgentRegistry, InMemoryVersions
+from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.lora.peft_io import save_peft_adapter
-from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
+from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.store.registry import AdapterRegistry
 
 if TYPE_CHECKING:
     from conftest import GatewayFactory
@@ -46,17 +49,25 @@ def too_big_adapter(engine: EmbeddedEngine, tmp_path_factory: pytest.TempPathFac
     return path
 
 
-def test_versions_are_monotonic_per_agent() -> None:
-    versions = InMemoryVersions()
-    weights = LoRAWeights(rank=1, alpha=1.0)
-    assert [versions.adopt("a", Path("x"), weights) for _ in range(3)] == [1, 2, 3]
-    assert versions.adopt("b", Path("x"), weights) == 1
+@pytest.fixture
+def deployer(engine: EmbeddedEngine, tmp_path: Path) -> Iterator[Deployer]:
+    """A deployer over the module's engine and a fresh registry (what serves is its)."""
+    registry = AdapterRegistry(tmp_path / "adapters", tmp_path / "registry.db")
+    yield Deployer(engine, registry)
+    registry.close()
+
+
+async def test_versions_are_monotonic_per_agent(deployer: Deployer, adapter_dir: Path) -> None:
+    assert [await deployer.adopt("a", adapter_dir) for _ in range(3)] == [1, 2, 3]
+    assert await deployer.adopt("b", adapter_dir) == 1
+    for agent in ("a", "b"):
+        await deployer.deactivate(agent)
 
 
 async def test_routing_of_base_configured_and_unknown_models(
-    engine: EmbeddedEngine, adapter_dir: Path
+    engine: EmbeddedEngine, deployer: Deployer, adapter_dir: Path
 ) -> None:
-    registry = AgentRegistry(engine)
+    registry = AgentRegistry(engine, deployer)
     await registry.start(
         [AgentConfig(name="plain"), AgentConfig(name="tuned", adapter_path=adapter_dir)]
     )
@@ -71,11 +82,13 @@ async def test_routing_of_base_configured_and_unknown_models(
             registry.resolve("ghost")
         assert (info.value.param, info.value.code) == ("model", "model_not_found")
     finally:
-        engine.remove_adapter("tuned")
+        await deployer.deactivate("tuned")
 
 
-async def test_load_replace_unload_cycle(engine: EmbeddedEngine, adapter_dir: Path) -> None:
-    registry = AgentRegistry(engine)
+async def test_load_replace_unload_cycle(
+    engine: EmbeddedEngine, deployer: Deployer, adapter_dir: Path
+) -> None:
+    registry = AgentRegistry(engine, deployer)
     await registry.start([AgentConfig(name="cfg")])
     assert await registry.load_adapter("cfg", adapter_dir) == 1
     with pytest.raises(InvalidRequestError) as info:
@@ -100,9 +113,13 @@ async def test_load_replace_unload_cycle(engine: EmbeddedEngine, adapter_dir: Pa
 
 
 async def test_bad_adapters_leave_serving_untouched(
-    engine: EmbeddedEngine, adapter_dir: Path, too_big_adapter: Path, tmp_path: Path
+    engine: EmbeddedEngine,
+    deployer: Deployer,
+    adapter_dir: Path,
+    too_big_adapter: Path,
+    tmp_path: Path,
 ) -> None:
-    registry = AgentRegistry(engine)
+    registry = AgentRegistry(engine, deployer)
     await registry.load_adapter("x", adapter_dir)
     for bad in (too_big_adapter, tmp_path / "missing"):
         with pytest.raises(AdapterError):
@@ -113,9 +130,11 @@ async def test_bad_adapters_leave_serving_untouched(
     await registry.unload_adapter("x")
 
 
-async def test_agent_named_like_the_base_model_is_refused(engine: EmbeddedEngine) -> None:
+async def test_agent_named_like_the_base_model_is_refused(
+    engine: EmbeddedEngine, deployer: Deployer
+) -> None:
     with pytest.raises(InvalidRequestError):
-        await AgentRegistry(engine).start([AgentConfig(name="base")])
+        await AgentRegistry(engine, deployer).start([AgentConfig(name="base")])
 
 
 # -- HTTP: /v1/load_lora_adapter and /v1/unload_lora_adapter ------------------------------

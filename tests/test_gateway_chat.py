@@ -6,6 +6,7 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
+import jsonschema
 import pytest
 
 if TYPE_CHECKING:
@@ -201,6 +202,9 @@ def test_forced_tool_calls_are_always_well_formed(
             assert call.function.name == "get_weather"
         else:
             assert call.function.name in ("get_weather", "get_time")
+        # The arguments follow the declared parameters too (the required "city" included).
+        declared = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), declared["function"]["parameters"])
 
 
 def test_forced_tool_call_streams_one_complete_delta(module_gateway: GatewayServer) -> None:

@@ -156,14 +156,14 @@ def test_build_app_from_settings_serves_a_model_directory(
     from fastapi.testclient import TestClient
 
     from clora_feedback.config import EngineConfig, Settings
-    from clora_feedback.gateway.app import build_app_from_settings
+    from clora_feedback.service import build_service
 
     settings = Settings(
         data_dir=tmp_path,
         engine=EngineConfig(model=str(tiny_model_dir), max_model_len=128, num_threads=1),
         agents=[{"name": "helpdesk"}],
     )
-    with TestClient(build_app_from_settings(settings)) as client:
+    with TestClient(build_service(settings).app) as client:
         models = [m["id"] for m in client.get("/v1/models").json()["data"]]
         assert models == [tiny_model_dir.name, "helpdesk"]
         reply = client.post(
@@ -171,3 +171,61 @@ def test_build_app_from_settings_serves_a_model_directory(
         ).json()
         assert reply["object"] == "text_completion"
     assert settings.trajectory_db.exists()
+
+
+class _NarrowEngine:
+    """The embedded engine behind a narrower promise: one version per request, no constraints
+    (what an out-of-process engine may declare)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def capabilities(self) -> Any:
+        import dataclasses
+
+        caps = self._inner.capabilities
+        return dataclasses.replace(caps, per_token_versions=False, constraints=frozenset())
+
+
+def test_the_gateway_follows_the_engines_capabilities(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from conftest import serve_app
+
+    from clora_feedback.config import EngineConfig, Settings
+    from clora_feedback.engine.embedded import EmbeddedEngine
+    from clora_feedback.gateway.app import create_app
+    from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=2048, num_threads=1)
+    settings = Settings(data_dir=tmp_path, engine=config, agents=[{"name": "support"}])
+    engine = _NarrowEngine(EmbeddedEngine(tiny_model_dir, config, model_name="tiny-base"))
+    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+    with serve_app(app, engine) as gateway:
+        client = gateway.openai()
+        with pytest.raises(openai.BadRequestError) as refused:  # no constraint: a clear 400
+            client.chat.completions.create(
+                model="support", messages=HI, tools=[tool], tool_choice="required", max_tokens=5
+            )
+        assert "tool_call" in str(refused.value)
+        reply = client.chat.completions.create(model="support", messages=HI, max_tokens=4)
+        extension = reply.model_extra["clora"]
+        assert extension["version_attribution"] == "request"
+        versions = reply.choices[0].model_extra["clora"]["token_versions"]
+        assert len(set(versions)) == 1
+        with gateway.http() as http:
+            record = http.get(f"/v1/trajectories/{reply.id}").json()
+        assert record["version_attribution"] == "request" and record["logprobs_mode"] == "raw"
+
+
+def test_a_real_engine_says_its_versions_are_per_token(module_gateway: GatewayServer) -> None:
+    reply = module_gateway.openai().chat.completions.create(
+        model="support", messages=HI, max_tokens=3
+    )
+    assert "version_attribution" not in reply.model_extra["clora"]
+    with module_gateway.http() as http:
+        record = http.get(f"/v1/trajectories/{reply.id}").json()
+    assert record["version_attribution"] == "token" and record["logprobs_mode"] == "raw"

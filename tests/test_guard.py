@@ -17,8 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from clora_feedback.config import FeedbackConfig, RewardPolicyConfig
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
+from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.lora.weights import LoRALimits, random_lora_weights
+from clora_feedback.schemas.feedback import Resolution
 from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
 from clora_feedback.train.guard import (
     GuardConfig,
     RegressionGuard,
@@ -195,3 +200,51 @@ async def test_background_loop_rolls_back_and_notifies(registry: AdapterRegistry
         await asyncio.wait_for(done.wait(), timeout=10)
         await asyncio.sleep(0.05)  # more rounds: the rollback must not repeat
     assert activated == [("support", 1)]
+
+
+def test_a_reward_mapping_change_alone_is_not_a_regression(tmp_path: Path) -> None:
+    """v1's feedback arrived under one mapping, v2's under another: judged under one policy."""
+    old = FeedbackConfig()  # "escalated" -> 0.0
+    new = FeedbackConfig(rewards=RewardPolicyConfig(outcome_rewards={"escalated": -1.0}))
+    old_policy, new_policy = DefaultRewardPolicy(old), DefaultRewardPolicy(new)
+    path = tmp_path / "t.db"
+    with (
+        AdapterRegistry(tmp_path / "adapters", tmp_path / "registry.db") as registry,
+        TrajectoryStore(path) as trajectories,
+    ):
+        for version, policy in ((1, old_policy), (2, new_policy)):
+            registry.publish(
+                "support", random_lora_weights(LIMITS, rank=2, seed=version), optimizer_state=None,
+                base_model="tiny", parent=version - 1 or None, step=version, metrics={},
+                feedback_window={"reward_policy": policy.id},
+            )  # fmt: skip
+        stores = {}
+        for version, policy in ((1, old_policy), (2, new_policy)):  # a restart in between
+            stores[version] = FeedbackStore(path, trajectories=trajectories, policy=policy)
+            for i in range(8):  # the same outcome for both versions: nothing got worse
+                cid = f"v{version}-{i}"
+                sample = SampleRecord(0, "ok", [1], [-0.5], [version], "stop")
+                trajectories.record(
+                    TrajectoryRecord(cid, "support", version, "chat", {}, [1], [sample], 1.0)
+                )
+                event = Resolution(
+                    event_id=f"e-{cid}", agent="support", completion_id=cid, source="t",
+                    outcome="escalated", score=0.2 * (i % 4),
+                )  # fmt: skip
+                stores[version].apply([Incoming(event, "test")])
+        config = GuardConfig(margin=0.05, min_samples=5)
+        current = RegressionGuard(
+            registry, stores[2].rewards_by_version, config, reward_policy=new_policy.id
+        )
+        decision = current.evaluate("support")
+        assert not decision.rollback, decision.reason
+        assert decision.mean_parent == pytest.approx(decision.mean_version)
+        assert f"v1 under {old_policy.id} trained" in decision.reason
+
+        # Frozen values (each version's rewards from the mapping of its time) would roll back.
+        def frozen(agent: str, version: int) -> Sequence[float]:
+            return stores[version].rewards_by_version(agent, version)
+
+        assert RegressionGuard(registry, frozen, config).evaluate("support").rollback
+        for store in stores.values():
+            store.close()

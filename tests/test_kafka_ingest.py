@@ -35,7 +35,7 @@ from clora_feedback.feedback.kafka import (
     FeedbackProducer,
     decode_record,
 )
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward
 
@@ -149,7 +149,7 @@ async def test_rewards_join_the_right_trajectories(
     assert [(r["event_id"], r["sample_index"], r["target"]) for r in a1] == [
         ("c1", 0, "def f(): return 2")
     ]
-    expected_c1 = RewardPolicy(FeedbackConfig()).signal(events[0], "def f(): return 1").value
+    expected_c1 = DefaultRewardPolicy(FeedbackConfig()).signal(events[0], "def f(): return 1").value
     assert a1[0]["value"] == pytest.approx(expected_c1) and 0 < a1[0]["value"] < 1
     a2 = feedback_store.rewards_for("chatcmpl-a2")
     assert [(r["event_id"], r["sample_index"]) for r in a2] == [("r1", 0), ("r1", 1)]

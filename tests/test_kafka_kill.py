@@ -1,6 +1,6 @@
 """kill -9 of the consumer process between the durable write and the offset commit.
 
-The consumer runs as its own process (`python -m clora_feedback.feedback.kafka`)
+The consumer runs as its own process (`clora ingest`, i.e. `python -m clora_feedback.cli ingest`)
 with small batches and a pause before each commit, so a SIGKILL almost surely
 lands after a batch is in SQLite but before Kafka knows. The test checks that
 it did (applied > committed at the kill), restarts the process, and compares
@@ -39,7 +39,7 @@ N_EVENTS = 300
 
 
 def start_consumer(db: Path, bootstrap: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "clora_feedback.feedback.kafka", "--db", str(db)]
+    cmd = [sys.executable, "-m", "clora_feedback.cli", "ingest", "--db", str(db)]
     cmd += ["--bootstrap", bootstrap, "--group-id", GROUP, "--max-batch", "20"]
     cmd += ["--session-timeout-ms", "2000", "--heartbeat-interval-ms", "300", *extra]
     with open(log, "ab") as out:
@@ -48,8 +48,9 @@ def start_consumer(db: Path, bootstrap: str, log: Path, *extra: str) -> subproce
 
 def applied_rows(db: Path) -> list[tuple[str, str, float]]:
     with sqlite3.connect(db, timeout=10) as conn:
-        return conn.execute(
-            "SELECT event_id, completion_id, value FROM rewards ORDER BY event_id"
+        return conn.execute(  # the stored facts: which completion each event joined, its value
+            "SELECT t.event_id, t.completion_id, json_extract(e.payload, '$.value') "
+            "FROM event_targets t JOIN feedback_events e USING (event_id) ORDER BY t.event_id"
         ).fetchall()
 
 

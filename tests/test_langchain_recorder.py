@@ -26,9 +26,10 @@ from test_webhook import AGENTS, feedback_app, serve, trajectory
 from clora_feedback.client import AsyncFeedbackClient, FeedbackClient
 from clora_feedback.config import FeedbackConfig, Settings
 from clora_feedback.errors import InvalidRequestError
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.integrations.langchain import CompletionRecorder
+from clora_feedback.store.trajectories import TrajectoryStore
 
 
 class OpenAIShapedChat(BaseChatModel):
@@ -85,7 +86,11 @@ def agent_run(model: Any, steps: int) -> Any:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[FeedbackStore]:
-    s = FeedbackStore(tmp_path / "feedback.db", RewardPolicy(FeedbackConfig()))
+    s = FeedbackStore(
+        tmp_path / "feedback.db",
+        trajectories=TrajectoryStore(tmp_path / "feedback.db"),
+        policy=DefaultRewardPolicy(FeedbackConfig()),
+    )
     yield s
     s.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,27 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages([str(ROOT)], prefix="clor
 FORBIDDEN = {
     "clora_feedback.errors": ("clora_feedback.", "fastapi", "aiokafka", "vllm"),
     "clora_feedback.config": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "fastapi"),
-    "clora_feedback.schemas": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "fastapi", "aiokafka"),
-    "clora_feedback.lora": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.feedback", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.schemas": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.store", "clora_feedback.feedback", "fastapi", "aiokafka"),
+    "clora_feedback.chat_format": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.store", "clora_feedback.feedback", "clora_feedback.lora", "torch", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.lora": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.feedback", "clora_feedback.model", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.model": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.feedback", "clora_feedback.store", "fastapi", "aiokafka", "vllm"),
     "clora_feedback.engine": ("clora_feedback.gateway", "clora_feedback.train", "clora_feedback.feedback", "fastapi", "aiokafka"),
     "clora_feedback.store": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "fastapi", "aiokafka"),
-    "clora_feedback.train": ("clora_feedback.gateway", "fastapi", "aiokafka"),
-    "clora_feedback.feedback": ("clora_feedback.gateway", "clora_feedback.train", "clora_feedback.engine"),
+    "clora_feedback.train": ("clora_feedback.engine", "clora_feedback.gateway", "fastapi", "aiokafka"),
+    "clora_feedback.feedback": ("clora_feedback.gateway", "clora_feedback.train", "clora_feedback.engine", "clora_feedback.service", "clora_feedback.cli", "clora_feedback.client", "clora_feedback.demo", "clora_feedback.bench"),
+    "clora_feedback.gateway": ("clora_feedback.service", "clora_feedback.cli", "clora_feedback.client", "clora_feedback.demo", "clora_feedback.bench"),
+    "clora_feedback.client": ("clora_feedback.feedback.kafka", "clora_feedback.gateway", "clora_feedback.service", "fastapi"),
 }  # fmt: skip
+# Exceptions to a FORBIDDEN prefix: the trainer may name an adapter version with the engine's
+# immutable value type, never reach the engine's implementation (embedded, model, deployer).
+ALLOWED = {"clora_feedback.train": ("clora_feedback.engine.types",)}
+# Only these may import the demo and the benchmarks (they sit above everything else).
+ABOVE_ALL = (
+    "clora_feedback.demo",
+    "clora_feedback.bench",
+    "clora_feedback.cli",
+    "clora_feedback.service",
+)
 
 
 def _imports(path: Path) -> set[str]:
@@ -68,4 +83,77 @@ def test_layers_point_one_way(layer: str) -> None:
             ]
             if layer == "clora_feedback.errors":
                 bad = [f for f in bad if name != "clora_feedback.errors"]
+            if name in ALLOWED.get(layer, ()):
+                bad = []
             assert not bad, f"{module} imports {name}"
+
+
+def _package(module: str) -> str:
+    """The top-level part of `module` inside clora_feedback ("" for clora_feedback itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _private_imports(module: str) -> list[str]:
+    """`_`-prefixed names `module` takes from another package of clora_feedback.
+
+    Both `from clora_feedback.x.y import _z` and `m._z` on a name imported from
+    clora_feedback count; dunders (`__version__`) are public.
+    """
+    tree = ast.parse(_path(module).read_text())
+    origin: dict[str, str] = {}  # local name -> the clora_feedback module it comes from
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            origin |= {a.asname: a.name for a in node.names if a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if not node.module.startswith("clora_feedback"):
+                continue
+            for alias in node.names:
+                origin[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                if _is_private(alias.name) and _package(node.module) != _package(module):
+                    found.append(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            source = origin.get(node.value.id, "")
+            private = source.startswith("clora_feedback.") and _is_private(node.attr)
+            if private and _package(source) != _package(module):
+                found.append(f"{source}.{node.attr}")
+    return found
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_module_imports_another_packages_private_names(module: str) -> None:
+    assert not _private_imports(module), f"{module} uses {_private_imports(module)}"
+
+
+def test_the_private_import_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "train" / "x.py"
+    fake.parent.mkdir()
+    fake.write_text(
+        "import clora_feedback.engine.model as m\n"
+        "from clora_feedback.engine.model import _rms_norm\n"
+        "from clora_feedback.train.y import _own\n"
+        "from clora_feedback import __version__\n"
+        "m._split_qkv\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _private_imports("clora_feedback.train.x") == [
+        "clora_feedback.engine.model._rms_norm",
+        "clora_feedback.engine.model._split_qkv",
+    ]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_only_the_top_imports_demo_and_bench(module: str) -> None:
+    if any(module == top or module.startswith(top + ".") for top in ABOVE_ALL):
+        return
+    for name in _imports(_path(module)):
+        below = ABOVE_ALL[:2]  # demo, bench
+        assert not any(name == top or name.startswith(top + ".") for top in below), (
+            f"{module} imports {name}"
+        )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -29,7 +28,7 @@ from clora_feedback.config import (
     TrainerConfig,
 )
 from clora_feedback.feedback.broker import LocalBroker
-from clora_feedback.service import build_service
+from clora_feedback.service import Service, build_service
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
@@ -66,17 +65,17 @@ def test_feedback_trains_a_version_that_serves_next(
     if broker is not None:
         broker.start()
     try:
-        app = build_service(
+        service = build_service(
             _settings(tiny_model_dir, tmp_path, broker.bootstrap if broker else None)
         )
-        _exercise(app, cluster)
+        _exercise(service, cluster)
     finally:
         if broker is not None:
             broker.stop()
 
 
-def _exercise(app: Any, cluster: bool) -> None:
-    with serve_app(app, None) as gw:
+def _exercise(service: Service, cluster: bool) -> None:
+    with serve_app(service.app, None) as gw:
         client = gw.openai()
         ids = []
         for i in range(3):
@@ -92,11 +91,11 @@ def _exercise(app: Any, cluster: bool) -> None:
             assert receipt.delivery == ("kafka" if cluster else "store")
             feedback.resolution("support", "escalated", completion_id=ids[1])
             feedback.reward("support", 0.5, completion_id=ids[2])
-        store = app.state.feedback
+        store = service.feedback
         _wait(lambda: all(store.rewards_for(i) for i in ids))
         assert [store.rewards_for(i)[0]["value"] for i in ids] == [1.0, 0.0, 0.5]
 
-        registry = app.state.registry
+        registry = service.registry
         _wait(lambda: any(a.active_version == 1 for a in registry.agents()))
         reply = client.chat.completions.create(
             model="support", messages=[{"role": "user", "content": "hi"}], max_tokens=4

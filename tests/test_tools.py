@@ -10,14 +10,9 @@ from typing import Any
 
 import pytest
 
-from clora_feedback.errors import InvalidRequestError
-from clora_feedback.gateway.tool_constraint import (
-    CallMode,
-    JSONCallConstraint,
-    JSONPrefix,
-    vocab_texts,
-)
-from clora_feedback.gateway.tools import (
+from clora_feedback.chat_format.constraint import JSONCallConstraint, vocab_texts
+from clora_feedback.chat_format.json_prefix import CallMode, JSONPrefix
+from clora_feedback.chat_format.tools import (
     ContentDelta,
     ToolCallEvent,
     ToolCallStreamParser,
@@ -26,6 +21,7 @@ from clora_feedback.gateway.tools import (
     parse_tool_calls,
     render_messages,
 )
+from clora_feedback.errors import InvalidRequestError
 
 WEATHER = {
     "type": "function",

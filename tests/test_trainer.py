@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
@@ -14,13 +15,15 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
+from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.models.tiny import build_tiny_model_dir
 from clora_feedback.schemas.feedback import Correction, Reward
 from clora_feedback.store.registry import AdapterRegistry
-from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
+from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.trainer import ContinualTrainer
 
 
@@ -35,10 +38,19 @@ class World:
     def __init__(self, root: Path, engine: EmbeddedEngine, **trainer: object):
         self.root = root
         self.engine = engine
-        self.feedback = FeedbackStore(root / "t.db", RewardPolicy(FeedbackConfig()))
+        self.trajectories = TrajectoryStore(root / "t.db")
+        self.feedback = FeedbackStore(
+            root / "t.db",
+            trajectories=self.trajectories,
+            policy=DefaultRewardPolicy(FeedbackConfig()),
+        )
         self.registry = AdapterRegistry(root / "adapters", root / "registry.db")
         cfg = TrainerConfig(admission=AdmissionConfig(min_batch=2, max_batch=8), lr=1e-2, **trainer)  # type: ignore[arg-type]
-        self.trainer = ContinualTrainer(engine, self.feedback, self.registry, cfg)
+        policy = DecoderPolicy.shared_with(engine)
+        self.deployer = Deployer(engine, self.registry)  # the trainer hands versions to it
+        self.trainer = ContinualTrainer(
+            policy, self.feedback, self.registry, cfg, deployer=self.deployer
+        )
         self.n = 0
 
     def serve_and_reward(
@@ -82,6 +94,7 @@ class World:
 
     def close(self) -> None:
         self.feedback.close()
+        self.trajectories.close()
         self.registry.close()
 
 
@@ -125,8 +138,7 @@ def test_rollback_and_pin(engine: EmbeddedEngine, tmp_path: Path) -> None:
         world.serve_and_reward("beta", 0.5)
         assert len(world.trainer.run_round()) == 1
     assert world.registry.active("beta").version == 2  # type: ignore[union-attr]
-    world.registry.rollback("beta", 1, reason="test")
-    world.trainer.activate("beta", 1)
+    asyncio.run(world.deployer.activate("beta", 1, expected_active=2, reason="test"))
     assert engine.adapter_version("beta") == 1
     v1, _ = world.registry.load("beta", 1)
     live = engine.adapter_weights("beta")
@@ -143,6 +155,26 @@ def test_rollback_and_pin(engine: EmbeddedEngine, tmp_path: Path) -> None:
     assert (
         v3 is not None and v3.version == 3 and v3.parent == 1
     )  # trained on from the rolled-back-to version
+    world.close()
+
+
+def test_an_unloaded_agent_is_not_trained_back(engine: EmbeddedEngine, tmp_path: Path) -> None:
+    """Bug: an unloaded adapter came back at the trainer's next publish."""
+    world = World(tmp_path, engine)
+    world.serve_and_reward("gamma", 1.0)
+    world.serve_and_reward("gamma", 0.0)
+    assert len(world.trainer.run_round()) == 1 and engine.adapter_version("gamma") == 1
+    asyncio.run(world.deployer.deactivate("gamma"))  # what an unload does
+    world.serve_and_reward("gamma", 1.0)
+    world.serve_and_reward("gamma", 0.5)
+    for _ in range(2):  # the first round alone would also drop the run's stale step
+        assert world.trainer.run_round() == []
+    assert world.registry.active("gamma") is None and engine.adapter_version("gamma") is None
+    # A rollback activates a version again: training resumes from it.
+    asyncio.run(world.deployer.activate("gamma", 1, expected_active=None, reason="back"))
+    assert len(world.trainer.run_round()) == 1
+    v2 = world.registry.active("gamma")
+    assert v2 is not None and v2.parent == 1 and engine.adapter_version("gamma") == v2.version
     world.close()
 
 
@@ -176,3 +208,16 @@ async def test_rounds_run_on_the_trainers_own_lower_priority_thread(
     finally:
         await world.trainer.stop()
         world.close()
+
+
+def test_each_version_names_the_reward_policy_it_was_trained_under(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    world = World(tmp_path, engine)
+    world.serve_and_reward("gamma", 1.0)
+    world.serve_and_reward("gamma", 0.0)
+    assert [r.agent for r in world.trainer.run_round()] == ["gamma"]
+    active = world.registry.active("gamma")
+    assert active is not None and active.feedback_window is not None
+    assert active.feedback_window["reward_policy"] == DefaultRewardPolicy(FeedbackConfig()).id
+    world.close()

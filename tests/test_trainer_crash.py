@@ -11,11 +11,12 @@ import pytest
 
 from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.schemas.feedback import Reward
 from clora_feedback.store.registry import AdapterRegistry
-from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
+from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.trainer import ContinualTrainer
 
 CHILD = Path(__file__).with_name("crash_trainer_child.py")
@@ -40,10 +41,15 @@ def _reward(feedback: FeedbackStore, i: int, agent: str = "a") -> None:
 
 def _open(root: Path, model_dir: Path) -> tuple[FeedbackStore, AdapterRegistry, ContinualTrainer]:
     engine = EmbeddedEngine(model_dir, EngineConfig(max_num_seqs=2, max_loras=2, max_model_len=256))
-    feedback = FeedbackStore(root / "t.db", RewardPolicy(FeedbackConfig()))
+    feedback = FeedbackStore(
+        root / "t.db",
+        trajectories=TrajectoryStore(root / "t.db"),
+        policy=DefaultRewardPolicy(FeedbackConfig()),
+    )
     registry = AdapterRegistry(root / "adapters", root / "registry.db")
     config = TrainerConfig(admission=AdmissionConfig(min_batch=2, max_batch=4), lr=1e-2)
-    return feedback, registry, ContinualTrainer(engine, feedback, registry, config)
+    trainer = ContinualTrainer(DecoderPolicy.shared_with(engine), feedback, registry, config)
+    return feedback, registry, trainer
 
 
 @pytest.mark.slow

@@ -218,3 +218,21 @@ async def test_async_store_runs_off_the_event_loop_thread(tmp_path: Path) -> Non
         assert seen[0].startswith("clora-trajectories")
     finally:
         await store.stop()
+
+
+def test_conversation_id_is_a_column_and_the_read_api_batches(store: TrajectoryStore) -> None:
+    def with_metadata(id: str, metadata: object, created_at: float) -> TrajectoryRecord:
+        record = make_record(id, created_at=created_at)
+        return dataclasses.replace(record, request={**record.request, "metadata": metadata})
+
+    store.record(with_metadata("c2", {"conversation_id": "t-1"}, 2.0))
+    store.record(with_metadata("c1", {"conversation_id": "t-1"}, 1.0))
+    store.record(with_metadata("c3", {"conversation_id": 7}, 3.0))  # not a string: no conversation
+    store.record(with_metadata("c4", "not a dict", 4.0))
+    assert store.by_conversation("t-1") == ["c1", "c2"]  # oldest first
+    assert store.by_conversation("t-1", agent="other") == []
+    assert store.get("c3").conversation_id is None and store.get("c1").conversation_id == "t-1"
+    ids = [f"c{i}" for i in range(1, 1200)]  # more than one chunk of bound parameters
+    assert store.exists(ids) == {"c1", "c2", "c3", "c4"}
+    many = store.get_many(ids)
+    assert set(many) == {"c1", "c2", "c3", "c4"} and many["c2"] == store.get("c2")

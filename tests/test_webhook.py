@@ -25,12 +25,13 @@ from fastapi import FastAPI
 
 from clora_feedback.client import SIGNATURE_HEADER, FeedbackDeliveryError, sign_body
 from clora_feedback.config import FeedbackConfig, Settings
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.ingest import FeedbackIngest, LogDeadLetters
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.gateway.auth import KeyAuthenticator
 from clora_feedback.gateway.errors import install_error_handlers
-from clora_feedback.gateway.feedback import Event, ParkedRejoiner, build_feedback_router
-from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
+from clora_feedback.gateway.feedback import Event, build_feedback_router
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
 
 AGENTS = [
     {"name": "support", "api_keys": ["k-support"]},
@@ -93,7 +94,8 @@ def feedback_app(store: FeedbackStore, settings: Settings, sink: Any = None) -> 
     app = FastAPI()
     app.state.authenticator = KeyAuthenticator(settings)
     install_error_handlers(app)
-    app.include_router(build_feedback_router(store, settings, sink))
+    ingest = FeedbackIngest(store, LogDeadLetters(), park_ttl_s=settings.feedback.park_ttl_s)
+    app.include_router(build_feedback_router(ingest, settings, sink))
     return app
 
 
@@ -114,7 +116,11 @@ class FakeSink:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[FeedbackStore]:
-    s = FeedbackStore(tmp_path / "feedback.db", RewardPolicy(FeedbackConfig()))
+    s = FeedbackStore(
+        tmp_path / "feedback.db",
+        trajectories=TrajectoryStore(tmp_path / "feedback.db"),
+        policy=DefaultRewardPolicy(FeedbackConfig()),
+    )
     s.trajectories.record(trajectory("c-support", texts=("hello world", "hi there")))
     s.trajectories.record(trajectory("c-support-2"))
     s.trajectories.record(trajectory("c-sales", agent="sales"))
@@ -399,7 +405,7 @@ async def test_rejoiner_joins_parked_webhook_feedback(store: FeedbackStore) -> N
     assert late.status_code == never.status_code == 202
     store.trajectories.record(trajectory("c-soon"))
     assert store.event_state("late") == ("parked", None)
-    async with ParkedRejoiner(store, ttl_s=1.0, interval_s=0.05):
+    async with FeedbackIngest(store, LogDeadLetters(), park_ttl_s=1.0, rejoin_interval_s=0.05):
         deadline = time.monotonic() + 10
         while store.event_state("never") == ("parked", None) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -12,7 +12,7 @@ corrections), keyed by agent over `--agents` agents.
    same number of fresh events in batches of the same size (no Kafka).
 2. Latency: with the consumer running, events are produced at `--rate` per
    second; each event's latency runs from just before it is sent to the
-   moment a separate SQLite reader sees its reward rows, which is when
+   moment a separate SQLite reader sees its join rows, which is when
    `FeedbackStore.training_samples` (the trainer's read) would return it.
    Baseline: the producer's own send -> broker ack time in the same run.
 
@@ -51,12 +51,11 @@ from clora_feedback.config import FeedbackConfig
 from clora_feedback.feedback.broker import LocalBroker
 from clora_feedback.feedback.kafka import FeedbackConsumer, FeedbackProducer, build_consumer
 from clora_feedback.feedback.records import build_producer
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
-from clora_feedback.schemas.feedback import Correction, Resolution, Reward
+from clora_feedback.schemas.feedback import Correction, Event, Resolution, Reward
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
 
-Event = Correction | Resolution | Reward
 _ANSWER = "The order was shipped on Monday; the tracking number is in your account."
 
 
@@ -180,7 +179,7 @@ async def backlog_throughput(
 
 
 class JoinWatcher:
-    """A separate SQLite reader that notes when each event's reward rows become visible."""
+    """A separate SQLite reader that notes when each event's join rows become visible."""
 
     def __init__(self, db: Path, poll_s: float = 0.002):
         self.db, self.poll_s = db, poll_s
@@ -198,10 +197,10 @@ class JoinWatcher:
     def _loop(self) -> None:
         conn = sqlite3.connect(self.db)
         try:
-            (last,) = conn.execute("SELECT coalesce(max(seq), 0) FROM rewards").fetchone()
+            (last,) = conn.execute("SELECT coalesce(max(seq), 0) FROM event_targets").fetchone()
             while not self._stop.is_set():
                 rows = conn.execute(
-                    "SELECT seq, event_id FROM rewards WHERE seq > ? ORDER BY seq", (last,)
+                    "SELECT seq, event_id FROM event_targets WHERE seq > ? ORDER BY seq", (last,)
                 ).fetchall()
                 now = time.perf_counter()
                 for seq, event_id in rows:
@@ -250,7 +249,11 @@ async def measure(args: argparse.Namespace) -> IngestFigures:
     config = config.model_copy(update={"kafka": kafka})
     with tempfile.TemporaryDirectory(prefix="clora-bench-ingest-") as tmp:
         root = Path(tmp)
-        store = FeedbackStore(root / "trajectories.db", RewardPolicy(config))
+        store = FeedbackStore(
+            root / "trajectories.db",
+            trajectories=TrajectoryStore(root / "trajectories.db"),
+            policy=DefaultRewardPolicy(config),
+        )
         try:
             store_trajectories(store.trajectories, args.agents, args.completions, args.seed)
             topics = [*kafka.topics, kafka.dead_letter_topic]

@@ -29,14 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clora_feedback.config import AdmissionConfig, TrainerConfig
+from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
-from clora_feedback.engine.types import GenerationRequest, SamplingParams
+from clora_feedback.engine.types import AdapterRef, GenerationRequest, SamplingParams
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.priority import lower_thread_priority
 from clora_feedback.schemas.feedback import Reward
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
+from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.state import AgentTrainState, LoRALayout, init_lora
 from clora_feedback.train.step import PGSample, StepResult
 from clora_feedback.train.trainer import ContinualTrainer
@@ -186,7 +188,7 @@ def _record_rewarded(
 ) -> None:
     """Store `samples` served completions of the publisher, each with a reward."""
     version = engine.adapter_version(PUBLISHER) or 0
-    for s in pg_samples(rng, engine.model.config.vocab_size, samples, prompt, completion):
+    for s in pg_samples(rng, engine.base_weights.config.vocab_size, samples, prompt, completion):
         cid = f"cmpl-{rng.getrandbits(64):016x}"
         n = len(s.completion_ids)
         sample = SampleRecord(
@@ -226,9 +228,15 @@ async def measure_publish_latency(
         admission=AdmissionConfig(min_batch=samples, max_batch=samples),
         trigger_interval_s=1e9,
     )
-    trainer = ContinualTrainer(engine, feedback, registry, cfg, agents=lambda: [PUBLISHER])
+    policy = DecoderPolicy.shared_with(engine)
+    deployer = Deployer(engine, registry)  # not started: the hand-off alone, as in `serve`
+    trainer = ContinualTrainer(
+        policy, feedback, registry, cfg, deployer=deployer, agents=lambda: [PUBLISHER]
+    )
     rng = random.Random(seed)
-    streams = Streams(engine, [PUBLISHER], token_ids(rng, engine.model.config.vocab_size, 16))
+    streams = Streams(
+        engine, [PUBLISHER], token_ids(rng, engine.base_weights.config.vocab_size, 16)
+    )
     out = PublishLatency()
     streams.start()
     begin = time.perf_counter()
@@ -261,15 +269,17 @@ class Publisher:
 
     Each publish makes `ContinualTrainer`'s calls in its order, on a thread at
     the trainer's priority: flat parameters -> `LoRAWeights` copy, reserve a
-    version, `engine.set_adapter` (staged into the spare slot, served from the
-    next decode step), then in `durable` mode `registry.publish` of that
-    version with its optimizer state. `mode` is read before every publish.
+    version, the deployer's hand-off (staged into the spare slot, served from
+    the next decode step), then in `durable` mode, inside the hand-off,
+    `registry.publish` of that version with its optimizer state. `mode` is
+    read before every publish.
     """
 
     def __init__(
         self, engine: EmbeddedEngine, registry: AdapterRegistry, rank: int, interval_s: float
     ):
         self.engine, self.registry, self.interval_s = engine, registry, interval_s
+        self.deployer = Deployer(engine, registry)
         self.nice = TrainerConfig().nice
         limits = engine.lora_limits
         layout = LoRALayout.build(limits, rank, 2.0 * rank, tuple(limits.target_modules))
@@ -307,20 +317,20 @@ class Publisher:
     def publish(self, *, durable: bool) -> None:
         weights = self.state.layout.to_weights(self.state.params)
         version = self.registry.next_version(PUBLISHER)
-        self.engine.set_adapter(PUBLISHER, version, weights, checked=True, owned=True)
-        if durable:
-            self.registry.publish(
-                PUBLISHER,
-                weights,
-                optimizer_state=self.state.optimizer_state(),
-                base_model=self.engine.model_name,
-                parent=self.parent,
-                step=self.count,
-                metrics={},
-                feedback_window={"bench": self.count},
-                version=version,
-            )
-            self.parent = version
+        with self.deployer.handoff(AdapterRef(PUBLISHER, version, None, weights)):
+            if durable:
+                self.registry.publish(
+                    PUBLISHER,
+                    weights,
+                    optimizer_state=self.state.optimizer_state(),
+                    base_model=self.engine.model_name,
+                    parent=self.parent,
+                    step=self.count,
+                    metrics={},
+                    feedback_window={"bench": self.count},
+                    version=version,
+                )
+                self.parent = version
         self.count += 1
 
 
@@ -356,7 +366,7 @@ async def measure_interference(
         engine.set_adapter(agent, 1, weights)
     rng = random.Random(seed)
     streams = Streams(
-        engine, [*others, PUBLISHER], token_ids(rng, engine.model.config.vocab_size, 16)
+        engine, [*others, PUBLISHER], token_ids(rng, engine.base_weights.config.vocab_size, 16)
     )
     publisher = Publisher(engine, registry, rank, interval_s)
     windows: list[tuple[str, float, float]] = []

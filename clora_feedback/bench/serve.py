@@ -195,7 +195,7 @@ async def bench_adapters(engine: EmbeddedEngine, prompt: list[int], o: Options, 
 
 def decode_bytes_per_step(engine: EmbeddedEngine, batch: int, span: int) -> int:
     """Bytes a base-model decode step must read: every weight once, each row's KV cache."""
-    model = engine.model
+    model = engine.model.base
     tensors = [
         model.lm_head,
         model.final_norm,

@@ -185,6 +185,8 @@ class _Run:
             targets=[],
             last_seq=i + 1,
             created_at=c.end,
+            reward=1.0,
+            source="reward",
         )
 
     def start_step(self, now: float) -> None:

@@ -64,12 +64,15 @@ from clora_feedback.bench.staleness import (
     utilisation,
 )
 from clora_feedback.config import DEFAULT_MODEL, EngineConfig, FeedbackConfig
+from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
-from clora_feedback.feedback.rewards import RewardPolicy
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.trajectories import TrajectoryStore
 from clora_feedback.train.loss import LossConfig
+from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.state import (
     AdamConfig,
     AgentTrainState,
@@ -109,10 +112,11 @@ def measure_tenancy(
     engine: EmbeddedEngine, shape: Shape, *, agents: int, rank: int, reps: int, seed: int
 ) -> Tenancy:
     """Alternate one batched step over all agents with serial swap steps over the same batches."""
-    limits = engine.lora_limits
+    policy = DecoderPolicy.shared_with(engine)  # the trainer's own seam, on the engine's tensors
+    limits = policy.lora_limits
     layout = LoRALayout.build(limits, rank, 2.0 * rank, tuple(limits.target_modules))
     rng = random.Random(seed)
-    vocab = engine.model.config.vocab_size
+    vocab = policy.base.config.vocab_size
     batches = [
         AgentBatch(
             AgentTrainState.create(f"agent-{i}", layout, init_lora(layout, seed=i)),
@@ -120,18 +124,18 @@ def measure_tenancy(
         )
         for i in range(agents)
     ]
-    slots = [TrainingSlot(layout.numel, engine.device) for _ in batches]
+    slots = [TrainingSlot(layout.numel, policy.device) for _ in batches]
     loss, adam = LossConfig(), AdamConfig()
     out = Tenancy(str(shape))
 
     def batched() -> float:
         t0 = time.perf_counter()
-        train_step(engine.model, slots, batches, loss, adam)
+        train_step(policy, slots, batches, loss, adam)
         return time.perf_counter() - t0
 
     def serial() -> tuple[float, list[StepResult]]:
         t0 = time.perf_counter()
-        results = [train_step(engine.model, slots[:1], [b], loss, adam)[0] for b in batches]
+        results = [train_step(policy, slots[:1], [b], loss, adam)[0] for b in batches]
         return time.perf_counter() - t0, results
 
     batched(), serial()  # warm-up: first-call allocations
@@ -164,16 +168,17 @@ def measure_prefix_sharing(
     """Alternate steps with the shared prefix computed once and (forced) once per row."""
     import clora_feedback.train.forward as forward
 
-    limits = engine.lora_limits
+    policy = DecoderPolicy.shared_with(engine)
+    limits = policy.lora_limits
     layout = LoRALayout.build(limits, rank, 2.0 * rank, tuple(limits.target_modules))
     rng = random.Random(seed)
-    vocab = engine.model.config.vocab_size
+    vocab = policy.base.config.vocab_size
     system = token_ids(rng, vocab, prefix)
     batch = AgentBatch(
         AgentTrainState.create("agent", layout, init_lora(layout, seed=seed)),
         [replace(s, prompt_ids=system + s.prompt_ids) for s in pg_samples(rng, vocab, samples, own, completion)],
     )  # fmt: skip
-    slot = TrainingSlot(layout.numel, engine.device)
+    slot = TrainingSlot(layout.numel, policy.device)
     loss, adam = LossConfig(), AdamConfig()
     out = PrefixSharing(f"{samples} x ({prefix} shared + {own} own prompt + {completion}) tokens")
     minimum = forward.MIN_SHARED_PREFIX
@@ -182,7 +187,7 @@ def measure_prefix_sharing(
         forward.MIN_SHARED_PREFIX = minimum if shared else 1 << 30
         try:
             t0 = time.perf_counter()
-            train_step(engine.model, [slot], [batch], loss, adam)
+            train_step(policy, [slot], [batch], loss, adam)
             return time.perf_counter() - t0
         finally:
             forward.MIN_SHARED_PREFIX = minimum
@@ -445,7 +450,11 @@ async def measure(args: argparse.Namespace) -> Figures:
             num_threads=args.threads,
         )
         engine = EmbeddedEngine(model_dir, config)
-        feedback = FeedbackStore(root / "trajectories.db", RewardPolicy(FeedbackConfig()))
+        feedback = FeedbackStore(
+            root / "trajectories.db",
+            trajectories=TrajectoryStore(root / "trajectories.db"),
+            policy=DefaultRewardPolicy(FeedbackConfig()),
+        )
         registry = AdapterRegistry(root / "adapters", root / "registry.db")
         await engine.start()
         try:
@@ -476,7 +485,7 @@ async def measure(args: argparse.Namespace) -> Figures:
                 metrics={},
                 feedback_window=None,
             )
-            engine.set_adapter(PUBLISHER, info.version, weights)
+            await Deployer(engine, registry).sync(info.agent)  # the engine follows the pointer
             _progress("publish latency")
             publish = await measure_publish_latency(
                 engine,

@@ -1,4 +1,4 @@
-"""The `clora` command line: `serve`, `demo`, `feedback`, `adapters`, `bench`.
+"""The `clora` command line: `serve`, `ingest`, `demo`, `feedback`, `adapters`, `bench`.
 
 Argument parsing only; each subcommand hands typed settings to the component
 that does the work. Environment variables are read by `clora_feedback.config`.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 def _serve(args: argparse.Namespace) -> int:
     from clora_feedback.config import load_settings
-    from clora_feedback.gateway.app import serve
+    from clora_feedback.service import serve
 
     settings = load_settings(args.config, host=args.host, port=args.port)
     if args.model:
@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from clora_feedback.cli.adapters import add_adapters_parser
     from clora_feedback.cli.feedback import add_feedback_parser
+    from clora_feedback.cli.ingest import add_ingest_parser
 
+    add_ingest_parser(sub)
     add_feedback_parser(sub)
     add_adapters_parser(sub)
 

@@ -241,8 +241,8 @@ async def run_agent(
     from clora_feedback.client import AsyncFeedbackClient
 
     workload = cfg.workload_instance()
-    registry = server.app.state.registry
-    trainer = server.app.state.trainer
+    registry = server.service.registry
+    trainer = server.service.trainer
     pool = workload.tasks(seed, "train", cfg.train_pool)
     held_out = workload.tasks(seed, "eval", cfg.eval_tasks)
     rng = random.Random(f"experiment/{seed}")
@@ -338,8 +338,8 @@ def run_concurrent(
     release_freed_memory()
     agents = [f"agent-{seed}" for seed in seeds]
     t0 = time.time()
-    app = build_service(service_settings(model_dir, work_dir, cfg, agents))
-    with LocalServer(app) as server:
+    service = build_service(service_settings(model_dir, work_dir, cfg, agents))
+    with LocalServer(service) as server:
         cold = time.time() - t0
 
         async def all_agents() -> list[AgentRun]:
@@ -371,8 +371,8 @@ def run_single(
 
     release_freed_memory()
     t0 = time.time()
-    app = build_service(service_settings(model_dir, work_dir, cfg, ["agent"]))
-    with LocalServer(app) as server:
+    service = build_service(service_settings(model_dir, work_dir, cfg, ["agent"]))
+    with LocalServer(service) as server:
         cold = time.time() - t0
         run = asyncio.run(run_agent(server, "agent", cfg, seed, mode="serial", on_step=on_step))
     run.cold_start_s = cold

@@ -251,9 +251,9 @@ class Demo:
             live.feedback += len(events)
 
     def _refresh(self) -> None:
-        app = self.server.app
-        served = app.state.gateway.engine.adapters() if hasattr(app.state, "gateway") else {}
-        metrics = app.state.trainer.metrics()
+        service = self.server.service
+        served = service.engine.stats().adapters
+        metrics = service.trainer.metrics() if service.trainer is not None else {}
         for name, live in self.live.items():
             live.version = int(served.get(name, live.version))
             live.staleness = float(metrics.get(name, {}).get("staleness_mean", live.staleness))
@@ -405,15 +405,15 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     bootstrap = broker.start()
     interrupted = False
     try:
-        app = build_service(demo_settings(config, model_dir, bootstrap))
-        with LocalServer(app) as server:
+        service = build_service(demo_settings(config, model_dir, bootstrap))
+        with LocalServer(service) as server:
             demo = Demo(config, server, bootstrap)
             try:
                 asyncio.run(demo.run())
             except KeyboardInterrupt:
                 interrupted = True
                 print("\ninterrupted: stopping the users, the trainer and the gateway ...")
-            registry = app.state.registry
+            registry = service.registry
         paths = write_results(demo, registry, config.out_dir, interrupted=interrupted)
     finally:
         broker.stop()

@@ -3,7 +3,7 @@
 The demo and the experiments talk to the gateway exactly as an outside agent
 would (HTTP, the official `openai` client, the feedback webhook), while
 keeping the engine, the stores and the trainer reachable in-process for
-measurements (`app.state.trainer`, `app.state.registry`, ...).
+measurements (`server.service.trainer`, `server.service.registry`, ...).
 
 Not here: building the app (see `clora_feedback.service`), the workloads.
 """
@@ -14,22 +14,27 @@ import socket
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clora_feedback.errors import EngineError
 
+if TYPE_CHECKING:  # the service (and torch) load only where a server is built
+    from clora_feedback.service import Service
+
 
 class LocalServer:
-    """A FastAPI app served by uvicorn on 127.0.0.1; `with LocalServer(app) as server: ...`.
+    """A built service served by uvicorn on 127.0.0.1; `with LocalServer(service) as server: ...`.
 
     Attributes:
+        service: what `build_service` built (trainer, registry, ... for measurements).
         app: the served app (its lifespan starts the engine, stores, trainer, ...).
         url: `http://127.0.0.1:<port>`.
         base_url: `url + "/v1"`, for OpenAI clients.
     """
 
-    def __init__(self, app: Any, *, start_timeout_s: float = 300.0):
-        self.app = app
+    def __init__(self, service: Service, *, start_timeout_s: float = 300.0):
+        self.service = service
+        self.app = service.app
         self.url = ""
         self.base_url = ""
         self._start_timeout_s = start_timeout_s

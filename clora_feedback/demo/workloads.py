@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from clora_feedback.demo import arithmetic, coding, support
-from clora_feedback.schemas.feedback import Correction, Resolution, Reward
+from clora_feedback.schemas.feedback import Correction, Event, Resolution, Reward
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
 Split = Literal["train", "eval"]
-Event = Correction | Resolution | Reward
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
-from clora_feedback.engine.types import EngineStats, GenerationRequest, RequestOutput
+from clora_feedback.engine.types import (
+    AdapterRef,
+    EngineCapabilities,
+    EngineStats,
+    GenerationRequest,
+    RequestOutput,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from clora_feedback.lora.weights import LoRALimits, LoRAWeights
+    from clora_feedback.lora.weights import LoRALimits
 
 
 class RequestStream(Protocol):
@@ -49,29 +55,43 @@ class Engine(Protocol):
         """What adapters must fit (rank, targets, shapes); checked before tensors are read."""
         ...
 
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine promises (version attribution, logprob mode, constraint kinds);
+        the gateway and trajectory capture follow it."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
     def add_request(self, request: GenerationRequest) -> RequestStream:
         """Queue a request. Raises `OverloadedError` at once when the queue is full,
-        `ContextLengthError` when prompt + max_tokens exceed the context, and
-        `NotFoundError` when `request.agent` has no adapter and is not None."""
+        `ContextLengthError` when prompt + max_tokens exceed the context,
+        `NotFoundError` when `request.agent` has no adapter and is not None, and
+        `InvalidRequestError` when `request.guided` is a kind this engine does not
+        compile (see `capabilities`) or a schema it cannot satisfy."""
         ...
 
-    def set_adapter(self, agent: str, version: int, weights: LoRAWeights) -> None:
-        """Install (or replace in place) an agent's adapter. Applied between decode
-        steps; tokens produced afterwards report `version`. Validates first: a bad
-        adapter raises `AdapterError` and leaves serving untouched."""
+    async def load_adapter(self, ref: AdapterRef) -> None:
+        """Serve `ref` as its agent's adapter (installing it, or replacing the one served).
+
+        Validates first (against `lora_limits`, from `ref.weights` when the engine
+        takes tensors in memory, else from `ref.path`): a bad adapter raises
+        `AdapterError` (or `StoreError` for unreadable files) and serving is
+        untouched. Once it returns, tokens from the next decode step on report
+        `ref.version`; requests in flight move to it when the engine attributes
+        versions per token (`capabilities.per_token_versions`).
+        """
         ...
 
-    def remove_adapter(self, agent: str) -> None:
-        """Drop an agent's adapter; later requests for it are served by the base model
-        only if the caller routes them with `agent=None`."""
+    async def unload_adapter(self, agent: str) -> None:
+        """Stop serving `agent`'s adapter (a no-op when it has none); later requests for
+        it fail with `NotFoundError` unless the caller routes them with `agent=None`."""
         ...
 
     def adapter_version(self, agent: str) -> int | None:
-        """The live version of an agent's adapter, or None if it has none."""
+        """The version of `agent`'s adapter that new requests get, or None if it has none."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -47,13 +47,14 @@ class DenseKernels:
         - `linear`: `F.linear` on the plain weights (CUDA, other dtypes).
 
         A non-plain kernel is checked against `F.linear` on the first weight and
-        replaced by `linear` if it disagrees or fails.
+        replaced by `linear` if it disagrees or fails (so a forced `packed`
+        where `packed_supported` is false reports `linear`).
         """
         if kernel == "auto":
             kernel = "linear"
             if lm_head.device.type == "cpu" and lm_head.dtype == torch.float32:
                 kernel = "blocked"
-            elif _packed_supported(lm_head):
+            elif packed_supported(lm_head.dtype, lm_head.device):
                 kernel = "packed"
         make = {"packed": _packed, "blocked": _blocked, "linear": _plain}[kernel]
         try:
@@ -98,13 +99,20 @@ def _blocked(w: torch.Tensor) -> Linear:
     return linear
 
 
-def _packed_supported(w: torch.Tensor) -> bool:
-    return (
-        w.dtype == torch.bfloat16
-        and w.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+def packed_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the `packed` kernel can run here: bf16 on a CPU whose oneDNN has a bf16 path.
+
+    A CPU-feature probe, not a timing one, so the choice is the same on every
+    run of one machine. oneDNN's bf16 weight reorder needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; on a plain AVX2 CPU it raises, and `linear` is used.
+    """
+    if dtype != torch.bfloat16 or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")):
+        return False
+    probe = getattr(ops, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else True
 
 
 def _packed(w: torch.Tensor) -> Linear:

@@ -32,17 +32,22 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from clora_feedback.chat_format.constraint import vocab_texts
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.detok import Detokenizer
+from clora_feedback.engine.guided import check_supported, compile_guided
 from clora_feedback.engine.model import KVCache, LoRAModel
 from clora_feedback.engine.sampling import RowSampler, sample_batch
 from clora_feedback.engine.stream import RequestStreamImpl, engine_failure
 from clora_feedback.engine.types import (
     BASE_VERSION,
+    AdapterRef,
+    EngineCapabilities,
     EngineStats,
     FinishReason,
     GenerationRequest,
@@ -50,6 +55,7 @@ from clora_feedback.engine.types import (
     TokenEvent,
 )
 from clora_feedback.errors import (
+    AdapterError,
     ContextLengthError,
     EngineError,
     InvalidRequestError,
@@ -57,11 +63,19 @@ from clora_feedback.errors import (
     OverloadedError,
 )
 from clora_feedback.lora.ops import LoRABatch
+from clora_feedback.lora.peft_io import load_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
+from clora_feedback.model.base import BaseWeights
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CAPABILITIES = EngineCapabilities(
+    per_token_versions=True,
+    logprobs="raw",
+    in_memory_adapters=True,
+    constraints=frozenset({"json_schema", "tool_call"}),
+)
 
 
 @dataclass(eq=False)
@@ -173,8 +187,27 @@ class EmbeddedEngine:
     def lora_limits(self) -> LoRALimits:
         return self.model.limits
 
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Per-token versions (a staged flip moves running rows between decode steps) and
+        raw behaviour logprobs (see `sampling`: the trainer's policy is the temperature-1
+        model, so fresh samples get an importance ratio of exactly 1)."""
+        return _CAPABILITIES
+
+    @property
+    def base_weights(self) -> BaseWeights:
+        """The base tensors this engine serves from (read-only; a co-located trainer may share them)."""
+        return self.model.base
+
     async def start(self) -> None:
         self.start_thread()
+        # Decoding the whole vocabulary takes a moment on large tokenizers: once, off the
+        # loop, so the first constrained request does not stall it.
+        await asyncio.to_thread(self._token_texts)
+
+    def _token_texts(self) -> list[str]:
+        tokenizer: Any = self._tokenizer
+        return vocab_texts(tokenizer)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.stop_thread)
@@ -211,12 +244,16 @@ class EmbeddedEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        check_supported(request.guided, _CAPABILITIES)
+        constraint = None
+        if request.guided is not None:
+            constraint = compile_guided(request.guided, self._token_texts())
         loop = asyncio.get_running_loop()
         stream = RequestStreamImpl(request.request_id, loop, self._abort)
         seq = _Sequence(
             request=request,
             stream=stream,
-            sampler=RowSampler.create(sp, request.constraint),
+            sampler=RowSampler.create(sp, constraint),
             detok=Detokenizer(self._tokenizer, sp.stop),
             stop_ids=frozenset(() if sp.ignore_eos else self.eos_token_ids)
             | frozenset(sp.stop_token_ids),
@@ -303,6 +340,27 @@ class EmbeddedEngine:
             del self._adapters[agent]
             self._dirty.add(agent)
             self._lock.notify_all()
+
+    async def load_adapter(self, ref: AdapterRef) -> None:
+        """Engine Protocol: `ref.weights` when given, else `ref.path` read off the event loop;
+        validated against `lora_limits` before anything is evicted, then staged (`set_adapter`)."""
+        if ref.weights is not None:
+            await asyncio.to_thread(self.set_adapter, ref.agent, ref.version, ref.weights)
+            return
+        if ref.path is None:
+            raise AdapterError(f"adapter {ref.agent} v{ref.version} has neither weights nor a path")
+        weights = await asyncio.to_thread(load_peft_adapter, ref.path, limits=self.model.limits)
+        # Read and checked just now, and held by nobody else: the engine keeps this copy.
+        await asyncio.to_thread(
+            self.set_adapter, ref.agent, ref.version, weights, checked=True, owned=True
+        )
+
+    async def unload_adapter(self, agent: str) -> None:
+        """Engine Protocol: drop `agent`'s adapter; a no-op when none is loaded."""
+        with self._lock:
+            if agent not in self._adapters:
+                return
+        self.remove_adapter(agent)
 
     def adapter_version(self, agent: str) -> int | None:
         with self._lock:

@@ -1,120 +1,39 @@
-"""A Llama/Qwen2-architecture decoder with per-row multi-LoRA and a slotted KV cache.
+"""The serving fast path of the base decoder: per-row multi-LoRA slots and a slotted KV cache.
 
-Written for serving: q/k/v and gate/up projections are fused into one matmul
-each, every target projection owns preallocated adapter slot buffers (see
-`clora_feedback.lora.ops`), and the KV cache is a fixed array of rows so
-sequences join and leave the batch without reallocation.
+The base tensors, config and RoPE tables come from `clora_feedback.model`
+(shared, read-only); this module adds what only serving needs: every target
+projection owns preallocated adapter slot buffers (see
+`clora_feedback.lora.ops`), dense kernels tuned for a few rows (see `dense`),
+and a KV cache that is a fixed array of rows so sequences join and leave the
+batch without reallocation. Its outputs match the differentiable reference
+forward in `clora_feedback.model.decoder` (tests/test_engine_fast_paths.py).
 
 Two entry points: `prefill` (one sequence, many tokens, fills its cache row)
 and `decode` (many sequences, one token each, every row with its own adapter).
 
-Not here: scheduling, sampling, tokenisation (see `embedded`, `sampling`).
+Not here: the base weights and the differentiable forward (`clora_feedback.model`),
+scheduling, sampling, tokenisation (see `embedded`, `sampling`).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from clora_feedback.engine.dense import DenseKernels
-from clora_feedback.errors import AdapterError, InvalidRequestError
+from clora_feedback.errors import AdapterError
 from clora_feedback.lora.ops import (
     LoRABatch,
     LoRAOutputBlock,
     add_lora_update_,
     blocks_to_dense,
 )
-from clora_feedback.lora.weights import LoRALimits, LoRAWeights, module_key
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-# Fused projection groups: (group, members in output order).
-GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("qkv", ("q_proj", "k_proj", "v_proj")),
-    ("o", ("o_proj",)),
-    ("gate_up", ("gate_proj", "up_proj")),
-    ("down", ("down_proj",)),
-)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture facts the engine needs, read from an HF `config.json`."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelConfig:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise InvalidRequestError(
-                f"model_type {model_type!r} is not supported ({SUPPORTED_MODEL_TYPES})"
-            )
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise InvalidRequestError(f"rope scaling {rope!r} is not supported")
-        heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
-        return cls(
-            model_type=model_type,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-        )
-
-    def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of every projection."""
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from clora_feedback.lora.weights import LoRAWeights, module_key
+from clora_feedback.model.base import GROUPS, BaseWeights
+from clora_feedback.model.config import ModelConfig
 
 
 class LoRASlots:
@@ -237,7 +156,7 @@ class _DecodeStep:
         offsets = ((row_index * kv).unsqueeze(1) + heads) * cache.max_len + positions.unsqueeze(1)
         scale = torch.ones(c.num_heads + kv, 1, dtype=model.dtype, device=device)
         scale[: c.num_heads] = c.head_dim**-0.5
-        cos = model.cos[positions].unsqueeze(1) * scale  # [B, H+K, D]
+        cos = model.base.cos[positions].unsqueeze(1) * scale  # [B, H+K, D]
         sin = model._sin_signed[positions].unsqueeze(1) * scale
         bias = None
         if min(pos) != span - 1:
@@ -274,59 +193,31 @@ class _DecodeStep:
 
 
 class LoRAModel:
-    """The decoder: base weights (inference only) plus per-layer adapter slots."""
+    """The decoder for serving: shared base weights plus per-layer adapter slots.
+
+    The base tensors are a `BaseWeights` (read, never written), so the same
+    instance may also back a trainer's policy (see `clora_feedback.train.policy`).
+    """
 
     def __init__(
         self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        base: BaseWeights,
         *,
         max_loras: int,
         max_lora_rank: int,
         target_modules: tuple[str, ...],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
     ):
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.base = base
+        self.config = base.config
+        self.device = base.device
+        self.dtype = base.dtype
         self.num_slots = max_loras + 1
         self.max_lora_rank = max_lora_rank
-        self.target_modules = tuple(t for t in target_modules)
-        shapes = config.projection_shapes()
-        self.limits = LoRALimits(max_lora_rank, self.target_modules, config.num_layers, shapes)
-
-        def take(name: str) -> torch.Tensor:
-            return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
-
-        self.embed = take("model.embed_tokens.weight")
-        self.lm_head = (
-            self.embed
-            if config.tie_word_embeddings or "lm_head.weight" not in weights
-            else take("lm_head.weight")
-        )
-        self.final_norm = take("model.norm.weight")
-        self.layers: list[dict[str, torch.Tensor]] = []
+        self.target_modules = tuple(target_modules)
+        self.limits = base.lora_limits(max_lora_rank, self.target_modules)
+        shapes = self.config.projection_shapes()
         self.slots: list[dict[str, LoRASlots]] = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            layer = {
-                "in_norm": take(p + "input_layernorm.weight"),
-                "post_norm": take(p + "post_attention_layernorm.weight"),
-                "qkv": torch.cat(
-                    [take(p + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")]
-                ),
-                "o": take(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat(
-                    [take(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")]
-                ),
-                "down": take(p + "mlp.down_proj.weight"),
-            }
-            if config.attention_bias:
-                layer["qkv_bias"] = torch.cat(
-                    [take(p + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
-                )
-            self.layers.append(layer)
+        for _ in range(self.config.num_layers):
             group_slots = {}
             for group, members in GROUPS:
                 if any(m in self.target_modules for m in members):
@@ -336,25 +227,16 @@ class LoRAModel:
                         shapes[members[0]][0],
                         self.num_slots,
                         max_lora_rank,
-                        dtype,
+                        self.dtype,
                         self.device,
                     )
             self.slots.append(group_slots)
         self._dense = DenseKernels.build(
-            [{g: layer[g] for g, _ in GROUPS} for layer in self.layers], self.lm_head
+            [{g: layer[g] for g, _ in GROUPS} for layer in base.layers], base.lm_head
         )
-        inv_freq = 1.0 / (
-            config.rope_theta
-            ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
-        )
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=self.device, dtype=dtype)
-        self.sin = emb.sin().to(device=self.device, dtype=dtype)
         # rotate_half(x) * sin == roll(x, D/2) * sin_signed: one roll instead of slice/neg/cat.
-        half = config.head_dim // 2
-        self._sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        half = self.config.head_dim // 2
+        self._sin_signed = torch.cat((-base.sin[:, :half], base.sin[:, half:]), dim=-1)
 
     @classmethod
     def from_dir(
@@ -367,21 +249,11 @@ class LoRAModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> LoRAModel:
-        config = ModelConfig.from_dir(model_dir)
-        weights: dict[str, torch.Tensor] = {}
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise InvalidRequestError(f"no *.safetensors weights in {model_dir}")
-        for f in files:
-            weights.update(load_file(str(f), device="cpu"))
         return cls(
-            config,
-            weights,
+            BaseWeights.from_dir(model_dir, dtype=dtype, device=device),
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             target_modules=target_modules,
-            dtype=dtype,
-            device=device,
         )
 
     # -- adapters -----------------------------------------------------------------
@@ -411,51 +283,17 @@ class LoRAModel:
                 for slots in group_slots.values():
                     slots.clear(slot)
 
-    # -- forward: general (differentiable; the trainer reuses these) ------------------
-
-    def _proj(self, x: torch.Tensor, layer: int, group: str, lora: LoRABatch) -> torch.Tensor:
-        """x [B, T, in] -> [B, T, out]: base projection plus each row's LoRA update."""
-        y = F.linear(x, self.layers[layer][group], self.layers[layer].get(f"{group}_bias"))
-        slots = self.slots[layer].get(group)
-        if slots is not None and not lora.is_base_only:
-            delta = torch.zeros_like(y)
-            add_lora_update_(delta, x, slots.a, slots.blocks, lora)
-            y = y + delta
-        return y
-
-    def _mlp(self, x: torch.Tensor, i: int, lora: LoRABatch) -> torch.Tensor:
-        gate, up = self._proj(x, i, "gate_up", lora).chunk(2, dim=-1)
-        return self._proj(F.silu(gate) * up, i, "down", lora)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + _rotate_half(x) * sin
-
-    def _split_qkv(
-        self, qkv: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """qkv [B, T, (H+2K)*D], positions [B, T] -> q [B,H,T,D], k/v [B,K,T,D] with RoPE applied."""
-        c = self.config
-        b, t, _ = qkv.shape
-        q, k, v = qkv.split(
-            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1
-        )
-        q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+    # -- forward: serving fast path (inference only) ---------------------------------
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., hidden] -> [..., V] fp32 logits."""
-        x = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
+        x = F.rms_norm(h, (h.shape[-1],), self.base.final_norm, self.config.rms_norm_eps)
         return self._dense.lm_head(x).float()
 
-    # -- forward: serving fast path (inference only) ---------------------------------
-
     def _fast_proj(self, x: torch.Tensor, layer: int, group: str, lora: LoRABatch) -> torch.Tensor:
-        """x [N, in] -> [N, out] for N tokens of `lora`'s rows; same values as `_proj`."""
+        """x [N, in] -> [N, out] for N tokens of `lora`'s rows; the same values as `clora_feedback.model.decoder.project`."""
         y = self._dense.layers[layer][group](x)
-        bias = self.layers[layer].get(f"{group}_bias")
+        bias = self.base.bias(layer, group)
         if bias is not None:
             y += bias
         slots = self.slots[layer].get(group)
@@ -487,13 +325,13 @@ class LoRAModel:
         t = token_ids.shape[0]
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         lora = LoRABatch.from_slots([slot], self.device)
-        cos = self.cos[start : start + t].unsqueeze(1)  # [T, 1, D]
+        cos = self.base.cos[start : start + t].unsqueeze(1)  # [T, 1, D]
         sin = self._sin_signed[start : start + t].unsqueeze(1)
         mask = None
         if start:
             mask = torch.ones(t, start + t, dtype=torch.bool, device=self.device).tril(start)
-        h = self.embed[token_ids]  # [T, hidden]
-        for i, layer in enumerate(self.layers):
+        h = self.base.embed[token_ids]  # [T, hidden]
+        for i, layer in enumerate(self.base.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer["in_norm"], c.rms_norm_eps)
             qkv = self._fast_proj(x, i, "qkv", lora)  # [T, (H+2K)*D]
             qk = self._fast_rope(qkv[:, : (heads + kv) * d].view(t, heads + kv, d), cos, sin)
@@ -542,8 +380,8 @@ class LoRAModel:
         b = token_ids.shape[0]
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         step = _DecodeStep.build(self, rows, positions, cache)
-        h = self.embed[token_ids]  # [B, hidden]
-        for i, layer in enumerate(self.layers):
+        h = self.base.embed[token_ids]  # [B, hidden]
+        for i, layer in enumerate(self.base.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer["in_norm"], c.rms_norm_eps)
             qkv = self._fast_proj(x, i, "qkv", lora)  # [B, (H+2K)*D]
             qk = self._fast_rope(

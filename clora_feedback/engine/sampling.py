@@ -2,10 +2,23 @@
 
 Every row carries its own `SamplingParams` and its own `torch.Generator`, so a
 seeded request gives the same tokens whatever else shares its batch.
-Behaviour logprobs are the log-softmax of the raw logits (the policy the
-trainer evaluates), independent of temperature and top-p.
 
-Not here: stop strings and detokenisation (see `detok`).
+Behaviour logprobs are "raw" (`EngineCapabilities.logprobs`): the log-softmax
+of the raw logits, independent of temperature, top-p and any constraint. Why
+not "processed" (of the distribution actually sampled from)? The trainer's
+policy is the temperature-1 model: `train/loss.py` takes the PPO ratio
+`exp(logp_now - logp_behaviour)` with `logp_now` at temperature 1, so raw
+behaviour logprobs give a fresh sample a ratio of exactly 1 and the ratio then
+measures only how far the adapter moved (staleness), which is what the clip is
+for. Processed logprobs would fold the sampler into the ratio (at temperature
+0.7 a fresh sample's ratio is already far from 1 and gets clipped; greedy or
+top-p would give 0 or -inf), and would change what the OpenAI `logprobs`
+field reports today. The sampler's own distribution is still fully known from
+the recorded sampling parameters. The OpenAI `logprobs` response field carries
+these same raw values.
+
+Not here: stop strings and detokenisation (see `detok`), compiling constraints
+(see `guided`).
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ This module holds plain data only: no torch, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:
     from clora_feedback.lora.weights import LoRAWeights
@@ -92,11 +93,12 @@ class SamplingParams:
 
 
 class TokenConstraint(Protocol):
-    """Restricts which tokens a sequence may take next (e.g. forced JSON tool calls).
+    """What an engine compiles a `GuidedDecoding` spec into: which tokens a sequence may take next.
 
-    The engine draws candidates in order of sampled preference and takes the
-    first one the constraint `allows`; it then calls `advance`. When `is_done`
-    turns true the sequence finishes with reason "stop".
+    The embedded engine draws candidates in order of sampled preference and takes
+    the first one the constraint `allows`; it then calls `advance`. When `is_done`
+    turns true the sequence finishes with reason "stop". Engine-internal: callers
+    hand engines the declarative spec, never a constraint object.
     """
 
     def allows(self, token_id: int) -> bool: ...
@@ -104,6 +106,48 @@ class TokenConstraint(Protocol):
     def advance(self, token_id: int) -> None: ...
 
     def is_done(self) -> bool: ...
+
+
+JSONSchema = Mapping[str, Any]
+"""A JSON Schema document (a decoded JSON object)."""
+
+
+@dataclass(frozen=True)
+class ToolCallSpec:
+    """Declarative constraint: the completion finishes one forced tool call.
+
+    The prompt already ends with the call's opening in the chat format
+    (`clora_feedback.chat_format.tools.forced_call_prefix`); what the model
+    generates is then, with `name` set, that function's arguments object and the
+    call's closing `}`; with `name` None, one of `functions`' names, `", "arguments": `,
+    that function's arguments object and `}`. The arguments follow the function's
+    parameter schema (the subset `clora_feedback.chat_format.schema` enforces).
+
+    Attributes:
+        functions: function name -> its `parameters` JSON Schema (None: any JSON object).
+        name: the function the call must use; None lets the model pick one of `functions`.
+    """
+
+    functions: Mapping[str, JSONSchema | None]
+    name: str | None = None
+    kind: ClassVar[str] = "tool_call"
+
+
+@dataclass(frozen=True)
+class JSONSchemaSpec:
+    """Declarative constraint: the completion is exactly one JSON object following `schema`.
+
+    Attributes:
+        schema: the JSON Schema the object follows (None: any JSON object).
+    """
+
+    schema: JSONSchema | None = None
+    kind: ClassVar[str] = "json_schema"
+
+
+GuidedDecoding = ToolCallSpec | JSONSchemaSpec
+"""The declarative constraints a request may carry; `EngineCapabilities.constraints`
+lists the `kind`s an engine compiles."""
 
 
 @dataclass
@@ -115,14 +159,15 @@ class GenerationRequest:
         agent: agent whose adapter serves this request; None serves the base model.
         prompt_token_ids: the full prompt as engine token ids.
         sampling: sampling parameters.
-        constraint: optional token constraint (forced tool calls).
+        guided: optional declarative constraint (a forced tool call or a JSON schema),
+            compiled by the engine; its `kind` must be in `EngineCapabilities.constraints`.
     """
 
     request_id: str
     agent: str | None
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    constraint: TokenConstraint | None = None
+    guided: GuidedDecoding | None = None
 
 
 @dataclass(frozen=True)
@@ -131,10 +176,12 @@ class TokenEvent:
 
     Attributes:
         token_id: engine token id.
-        logprob: behaviour logprob of this token under the sampling distribution's
-            source policy (log-softmax of the raw logits, before temperature/top_p).
+        logprob: behaviour logprob of this token, in the engine's declared mode
+            (`EngineCapabilities.logprobs`): "raw" = log-softmax of the raw logits,
+            before temperature/top_p; "processed" = of the distribution sampled from.
         adapter_version: version of the agent's adapter that produced the token
-            (`BASE_VERSION` when no adapter was active).
+            (`BASE_VERSION` when no adapter was active); with
+            `EngineCapabilities.per_token_versions` false, the request's admitted version.
         top_logprobs: (token_id, logprob) alternatives, most likely first; empty
             unless requested.
     """

@@ -5,52 +5,54 @@ For every polled batch (at most `max_batch` records) it:
 
 1. decodes each record; bad UTF-8, bad JSON, a schema violation, a key that is
    not the event's agent or an unknown agent make it *malformed*;
-2. applies the valid events in one SQLite transaction (`FeedbackStore.apply`,
+2. applies the valid events in one SQLite transaction (`FeedbackIngest.apply`,
    on a worker thread), which dedupes by `event_id` and parks events whose
    completion is not stored yet;
-3. produces every malformed record, and every event the store refused, to the
-   dead-letter topic: original key and bytes, reason and source in headers
-   (see `connectors/topics.json`), and waits for the acks;
+3. dead-letters every malformed record, and every event the store refused,
+   through the ingest's sink (the dead-letter topic: original key and bytes,
+   reason and source in headers, see `connectors/topics.json`), and waits for
+   the acks;
 4. only then commits, per partition, the offset after the last record.
 
 A crash anywhere before step 4 replays the batch; replayed events are
 duplicates by `event_id` and change nothing, so delivery is at-least-once and
 the effect exactly-once (a replay can dead-letter the same bad record twice).
-On a rebalance the revoked partitions wait for the in-flight batch to commit.
-Parked events are retried every `rejoin_interval_s`; those older than the TTL
-are dead-lettered with only the `clora.reason` header (their original record
-is long committed; the value is the event as stored).
+On a rebalance the revoked partitions wait for the in-flight batch to commit
+(`wait_for_batch`). Parked events are retried by the ingest's one rejoin loop
+(`clora_feedback.feedback.ingest`); those older than the TTL are dead-lettered
+with only the `clora.reason` header (their original record is long committed;
+the value is the event as stored).
 
-The record format and `FeedbackProducer` live in `records` and are
-re-exported here. `python -m clora_feedback.feedback.kafka --db PATH --bootstrap HOST:PORT` runs
-one consumer until SIGTERM/SIGINT. Not here: the broker (`broker`), the store.
+The record format and `FeedbackProducer` live in `records` and are re-exported
+here. Not here: the process entry (`clora ingest`, `clora_feedback.cli.ingest`),
+the broker (`broker`), the store, the Kafka lifecycle of `clora serve` (`pipeline`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
-import signal
-import sys
-import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
-from clora_feedback.config import FeedbackConfig, KafkaConfig, load_settings
-from clora_feedback.errors import CloraError, InvalidRequestError, StoreError, UnavailableError
+from clora_feedback.config import FeedbackConfig, KafkaConfig
+from clora_feedback.errors import CloraError, InvalidRequestError
+from clora_feedback.feedback.ingest import (
+    DeadLetter,
+    FeedbackIngest,
+    IngestMetrics,
+    KafkaDeadLetters,
+    SourcePosition,
+)
 from clora_feedback.feedback.records import (
     HEADER_REASON,
     HEADER_SOURCE_OFFSET,
     HEADER_SOURCE_PARTITION,
     HEADER_SOURCE_TOPIC,
-    MAX_REASON_CHARS,
     Delivery,
     FeedbackProducer,
     build_producer,
@@ -58,10 +60,9 @@ from clora_feedback.feedback.records import (
     decode_record,
     kafka_error,
 )
-from clora_feedback.feedback.rewards import RewardPolicy
 from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming, Rejected
 from clora_feedback.lifecycle import AsyncLifecycle
-from clora_feedback.schemas.feedback import Correction, Resolution, Reward
+from clora_feedback.schemas.feedback import Event
 
 __all__ = [
     "HEADER_REASON",
@@ -76,10 +77,8 @@ __all__ = [
     "build_consumer",
     "build_producer",
     "decode_record",
-    "main",
 ]
 
-Event = Correction | Resolution | Reward
 KnownAgents = Callable[[], Collection[str]]
 _DEFAULTS = KafkaConfig()
 
@@ -90,36 +89,19 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class ConsumerMetrics:
-    """Counters since the consumer was created (events, unless named records)."""
+class ConsumerMetrics(IngestMetrics):
+    """The ingest's counters plus the consumer's own (records, unless named events)."""
 
     records: int = 0
     """Records polled."""
     batches: int = 0
     """Batches applied and committed."""
-    applied: int = 0
-    """Events joined to their trajectories when they arrived."""
-    parked: int = 0
-    """Events parked because a completion they name was not stored yet."""
-    rejoined: int = 0
-    """Parked events joined later."""
-    duplicates: int = 0
-    """Events whose `event_id` was already applied (replays, resends)."""
     malformed: int = 0
     """Records that did not decode to a valid event of a known agent."""
-    rejected: int = 0
-    """Valid events the store refused (e.g. another agent's completion)."""
-    expired: int = 0
-    """Parked events that outlived the TTL (or turned out invalid when joined)."""
-    dead_lettered: int = 0
-    """Records produced to the dead-letter topic."""
     commit_failures: int = 0
     """Batches applied but not committed (the group moved on); they replay harmlessly."""
     lag: int | None = None
     """Records behind the high watermarks after the last batch (None until known)."""
-
-    def as_dict(self) -> dict[str, int | None]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -140,7 +122,7 @@ class BatchReport:
 
 
 class FeedbackConsumer(AsyncLifecycle):
-    """A consumer-group member that applies feedback records to a `FeedbackStore`.
+    """A consumer-group member that applies feedback records through a `FeedbackIngest`.
 
     Args:
         store: Where events are applied (shared SQLite with the trajectories).
@@ -152,7 +134,11 @@ class FeedbackConsumer(AsyncLifecycle):
         known_agents: Returns the accepted agent names (called once per batch);
             None accepts every agent.
         park_ttl_s: How long a parked event waits for its trajectory.
-        rejoin_interval_s: How often parked events are retried by `run`.
+        rejoin_interval_s: How often parked events are retried.
+        ingest: A shared ingest (with its own sink and rejoin loop, started by its
+            owner); None builds one on `store` dead-lettering to `dead_letter_topic`,
+            started and stopped with this consumer.
+        metrics: The counters to update; pass the shared ingest's when there is one.
         poll_timeout_ms: Longest wait for records; also bounds `stop` latency.
         session_timeout_ms: Group session timeout (a dead member's partitions
             move after this long).
@@ -181,6 +167,8 @@ class FeedbackConsumer(AsyncLifecycle):
         known_agents: KnownAgents | None = None,
         park_ttl_s: float = 3600.0,
         rejoin_interval_s: float = 2.0,
+        ingest: FeedbackIngest | None = None,
+        metrics: ConsumerMetrics | None = None,
         poll_timeout_ms: int = 500,
         session_timeout_ms: int = 10_000,
         heartbeat_interval_ms: int = 3_000,
@@ -197,11 +185,17 @@ class FeedbackConsumer(AsyncLifecycle):
         self.dead_letter_topic = dead_letter_topic
         self.group_id = group_id
         self.max_batch = max_batch
-        self.park_ttl_s = park_ttl_s
-        self.rejoin_interval_s = rejoin_interval_s
         self.poll_timeout_ms = poll_timeout_ms
         self.commit_delay_s = commit_delay_s
-        self.metrics = ConsumerMetrics()
+        self.metrics = metrics if metrics is not None else ConsumerMetrics()
+        self._owns_ingest = ingest is None
+        self.ingest = ingest or FeedbackIngest(
+            store,
+            KafkaDeadLetters(bootstrap_servers, dead_letter_topic, client_id=f"{client_id}-dlq"),
+            park_ttl_s=park_ttl_s,
+            rejoin_interval_s=rejoin_interval_s,
+            metrics=self.metrics,
+        )
         self._known_agents = known_agents
         self._client_args: dict[str, Any] = {
             "session_timeout_ms": session_timeout_ms,
@@ -211,7 +205,6 @@ class FeedbackConsumer(AsyncLifecycle):
             "client_id": client_id,
         }
         self._consumer: Any = None
-        self._producer: Any = None
         # Held from the moment a batch is taken until its offsets are committed; a
         # revocation waits on it so the batch commits while the partitions are still ours.
         self._batch_lock = asyncio.Lock()
@@ -219,10 +212,14 @@ class FeedbackConsumer(AsyncLifecycle):
         self._running: asyncio.Event | None = None
         self._positions: dict[Any, int] = {}
 
+    @property
+    def park_ttl_s(self) -> float:
+        return self.ingest.park_ttl_s
+
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect, join the group (in the background) and open the dead-letter producer.
+        """Connect, join the group (in the background) and, if owned, start the ingest.
 
         Raises:
             UnavailableError: the cluster cannot be reached.
@@ -238,19 +235,19 @@ class FeedbackConsumer(AsyncLifecycle):
             **self._client_args,
         )
         consumer.subscribe(list(self.topics), listener=_RevokeAfterCommit(self))
-        producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap_servers,
-            acks="all",
-            client_id=f"{self._client_args['client_id']}-dlq",
-        )
         try:
-            await producer.start()
+            if self._owns_ingest:
+                await self.ingest.start()
             await consumer.start()
         except KafkaError as exc:
-            await close_quietly(producer.stop())
             await close_quietly(consumer.stop())
+            if self._owns_ingest:
+                await self.ingest.stop()
             raise kafka_error(f"connect to {self.bootstrap_servers}", exc) from exc
-        self._consumer, self._producer, self._closing = consumer, producer, False
+        except CloraError:
+            await close_quietly(consumer.stop())
+            raise
+        self._consumer, self._closing = consumer, False
 
     async def stop(self) -> None:
         """Finish and commit the in-flight batch, leave the group, disconnect; idempotent."""
@@ -258,19 +255,14 @@ class FeedbackConsumer(AsyncLifecycle):
         if self._running is not None:
             await self._running.wait()  # `run` notices `_closing` within one poll timeout
         async with self._batch_lock:
-            consumer, producer, self._consumer, self._producer = (
-                self._consumer,
-                self._producer,
-                None,
-                None,
-            )
+            consumer, self._consumer = self._consumer, None
         if consumer is not None:
             await close_quietly(consumer.stop())
-        if producer is not None:
-            await close_quietly(producer.stop())
+            if self._owns_ingest:
+                await self.ingest.stop()
 
     async def run(self) -> None:
-        """Poll, apply, dead-letter and commit until `stop`; retry parked events on the way.
+        """Poll, apply, dead-letter and commit until `stop`.
 
         Raises:
             StoreError, UnavailableError: the store or the cluster failed for good; the batch in
@@ -278,16 +270,21 @@ class FeedbackConsumer(AsyncLifecycle):
         """
         self._require_started()
         self._running = asyncio.Event()
-        next_rejoin = time.monotonic()
         try:
             while not self._closing:
-                if time.monotonic() >= next_rejoin:
-                    await self.rejoin_parked()
-                    next_rejoin = time.monotonic() + self.rejoin_interval_s
                 await self.poll_once()
         finally:
             self._running.set()
             self._running = None
+
+    async def wait_for_batch(self) -> None:
+        """Return once no batch is in flight (the one taken, if any, has committed)."""
+        async with self._batch_lock:
+            pass
+
+    def forget_partitions(self, revoked: Collection[Any]) -> None:
+        """Drop the positions of partitions this member no longer owns (lag stays honest)."""
+        self._positions = {tp: o for tp, o in self._positions.items() if tp not in revoked}
 
     # -- one step each ----------------------------------------------------------------
 
@@ -311,21 +308,8 @@ class FeedbackConsumer(AsyncLifecycle):
             return await self._process(batch)
 
     async def rejoin_parked(self, *, now: float | None = None) -> tuple[list[str], list[Rejected]]:
-        """Retry parked events once; dead-letter those past the TTL.
-
-        Returns:
-            (event ids joined now, events that died with their reasons).
-        """
-        joined, dead = await asyncio.to_thread(
-            self.store.rejoin_parked, ttl_s=self.park_ttl_s, now=now
-        )
-        self.metrics.rejoined += len(joined)
-        self.metrics.expired += len(dead)
-        if dead:
-            await self._dead_letter(
-                [(_agent_key(r.payload), r.payload.encode(), r.reason, None) for r in dead]
-            )
-        return joined, dead
+        """One round of the ingest's rejoin (see `FeedbackIngest.rejoin_parked`)."""
+        return await self.ingest.rejoin_parked(now=now)
 
     # -- the batch ----------------------------------------------------------------------
 
@@ -342,19 +326,15 @@ class FeedbackConsumer(AsyncLifecycle):
         self.metrics.records += len(valid) + len(bad)
         self.metrics.malformed += len(bad)
 
-        report = await self._apply([Incoming(e, _origin(r)) for r, e in valid])
+        report = await self.ingest.apply([Incoming(e, _origin(r)) for r, e in valid])
         refused = {(r.event_id, r.payload): r.reason for r in report.rejected}
         if refused:
             for record, event in valid:
                 reason = refused.get((event.event_id, event.model_dump_json()))
                 if reason is not None:
                     bad.append((record, f"refused by the store: {reason}"))
-        self.metrics.applied += len(report.joined)
-        self.metrics.parked += len(report.parked)
-        self.metrics.duplicates += len(report.duplicates)
-        self.metrics.rejected += len(report.rejected)
-
-        await self._dead_letter([(r.key, r.value, reason, r) for r, reason in bad])
+        await self.ingest.dead_letter([_letter(r, reason) for r, reason in bad])
+        self._mirror(report, dead_lettered=len(bad))
         if self.commit_delay_s:
             await asyncio.sleep(self.commit_delay_s)
         offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
@@ -370,44 +350,15 @@ class FeedbackConsumer(AsyncLifecycle):
             else {},
         )
 
-    async def _apply(self, incoming: list[Incoming], attempts: int = 3) -> ApplyReport:
-        if not incoming:
-            return ApplyReport()
-        for attempt in range(attempts):
-            try:
-                return await asyncio.to_thread(self.store.apply, incoming)
-            except (StoreError, UnavailableError) as exc:
-                if not exc.retriable or attempt == attempts - 1:
-                    raise
-                log.warning("feedback store busy (%s); retrying the batch", exc.message)
-                await asyncio.sleep(0.5 * 2**attempt)
-        raise AssertionError("unreachable")
-
-    async def _dead_letter(self, items: list[tuple[bytes | None, bytes | None, str, Any]]) -> None:
-        """Produce (key, value, reason, source record or None) to the DLQ; wait for every ack."""
-        if not items:
+    def _mirror(self, report: ApplyReport, *, dead_lettered: int) -> None:
+        """The ingest counted this batch into its metrics; count it into ours if they differ."""
+        if self.metrics is self.ingest.metrics:
             return
-        try:
-            pending = []
-            for key, value, reason, source in items:
-                headers = [(HEADER_REASON, reason[:MAX_REASON_CHARS].encode())]
-                if source is not None:
-                    headers += [
-                        (HEADER_SOURCE_TOPIC, source.topic.encode()),
-                        (HEADER_SOURCE_PARTITION, str(source.partition).encode()),
-                        (HEADER_SOURCE_OFFSET, str(source.offset).encode()),
-                    ]
-                pending.append(
-                    await self._producer.send(
-                        self.dead_letter_topic, value=value, key=key, headers=headers
-                    )
-                )
-            await asyncio.gather(*pending)
-        except KafkaError as exc:
-            raise kafka_error(f"produce to {self.dead_letter_topic}", exc) from exc
-        self.metrics.dead_lettered += len(items)
-        for _, _, reason, source in items:
-            log.info("dead-lettered %s: %s", _origin(source) if source else "parked event", reason)
+        self.metrics.dead_lettered += dead_lettered
+        self.metrics.applied += len(report.joined)
+        self.metrics.parked += len(report.parked)
+        self.metrics.duplicates += len(report.duplicates)
+        self.metrics.rejected += len(report.rejected)
 
     async def _commit(self, offsets: dict[Any, int]) -> bool:
         try:
@@ -444,11 +395,8 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
         self._owner = owner
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
-        async with self._owner._batch_lock:
-            pass
-        self._owner._positions = {
-            tp: o for tp, o in self._owner._positions.items() if tp not in revoked
-        }
+        await self._owner.wait_for_batch()
+        self._owner.forget_partitions(revoked)
         log.info("partitions revoked: %s", sorted(f"{t.topic}/{t.partition}" for t in revoked))
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
@@ -459,11 +407,9 @@ def _origin(record: Any) -> str:
     return f"kafka:{record.topic}/{record.partition}@{record.offset}"
 
 
-def _agent_key(payload: str) -> bytes | None:
-    try:
-        return str(json.loads(payload)["agent"]).encode()
-    except (ValueError, KeyError, TypeError):
-        return None
+def _letter(record: Any, reason: str) -> DeadLetter:
+    position = SourcePosition(record.topic, record.partition, record.offset)
+    return DeadLetter(record.key, record.value, reason, position)
 
 
 # -- builders ---------------------------------------------------------------------------
@@ -490,91 +436,3 @@ def build_consumer(
         park_ttl_s=config.park_ttl_s,
         **options,
     )
-
-
-# -- process entry ------------------------------------------------------------------------
-
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m clora_feedback.feedback.kafka",
-        description="Consume feedback topics into the feedback store until SIGTERM/SIGINT.",
-    )
-    p.add_argument("--db", type=Path, required=True, help="SQLite database (trajectories.db)")
-    p.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers host:port[,...]")
-    p.add_argument("--config", type=Path, help="settings file (JSON/YAML) for topics and rewards")
-    p.add_argument("--group-id", help="consumer group (default from settings)")
-    p.add_argument("--max-batch", type=int, help="records per transaction (default from settings)")
-    p.add_argument("--agents", help="comma-separated accepted agents (default: settings, or any)")
-    p.add_argument("--park-ttl-s", type=float, help="parked-event TTL (default from settings)")
-    p.add_argument("--rejoin-interval-s", type=float, default=2.0)
-    p.add_argument("--session-timeout-ms", type=int, default=10_000)
-    p.add_argument("--heartbeat-interval-ms", type=int, default=3_000)
-    p.add_argument("--commit-delay-s", type=float, default=0.0, help="fault injection (tests)")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
-
-
-async def _serve(args: argparse.Namespace) -> ConsumerMetrics:
-    settings = load_settings(args.config)
-    feedback = settings.feedback
-    kafka = feedback.kafka.model_copy(
-        update={
-            k: v
-            for k, v in (("group_id", args.group_id), ("max_batch", args.max_batch))
-            if v is not None
-        }
-    )
-    if args.park_ttl_s is not None:
-        feedback = feedback.model_copy(update={"park_ttl_s": args.park_ttl_s})
-    feedback = feedback.model_copy(update={"kafka": kafka})
-    names = (
-        {a for a in args.agents.split(",") if a}
-        if args.agents
-        else {a.name for a in settings.agents}
-    )
-    store = FeedbackStore(args.db, RewardPolicy(feedback))
-    consumer = build_consumer(
-        store,
-        feedback,
-        args.bootstrap,
-        known_agents=(lambda: names) if names else None,
-        rejoin_interval_s=args.rejoin_interval_s,
-        session_timeout_ms=args.session_timeout_ms,
-        heartbeat_interval_ms=args.heartbeat_interval_ms,
-        commit_delay_s=args.commit_delay_s,
-    )
-    stop_requested = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
-    try:
-        async with consumer:
-            log.info("consuming %s as group %s", ", ".join(consumer.topics), consumer.group_id)
-            run = asyncio.create_task(consumer.run())
-            stopper = asyncio.create_task(stop_requested.wait())
-            await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-        await run  # re-raises what ended the loop, if it was not a stop
-    finally:
-        store.close()
-    return consumer.metrics
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one consumer; prints its metrics as JSON on exit. Returns the exit status."""
-    args = _parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        metrics = asyncio.run(_serve(args))
-    except CloraError as exc:
-        log.error("feedback consumer failed: %s", exc.message)
-        return 1
-    print(json.dumps(metrics.as_dict()), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

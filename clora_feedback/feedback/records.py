@@ -9,7 +9,8 @@ keeps the two in step.
 
 - `decode_record`: a record's key and value -> a validated event, or
   `InvalidRequestError` whose message is the dead-letter reason.
-- `FeedbackProducer`: writes events (the webhook and `FeedbackClient` use it).
+- `FeedbackProducer`: writes events (the webhook and `FeedbackClient` use it; the
+  SDK imports it from here, never from the consumer).
 
 aiokafka errors are translated here and in `kafka` into `UnavailableError`
 (retriable, code `kafka_error`). Not here: consuming (`kafka`), the broker.
@@ -31,7 +32,8 @@ from pydantic import ValidationError
 from clora_feedback.config import KafkaConfig
 from clora_feedback.errors import CloraError, InvalidRequestError, UnavailableError
 from clora_feedback.lifecycle import AsyncLifecycle
-from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_event
+from clora_feedback.schemas.feedback import Event, parse_event
+from clora_feedback.schemas.paths import json_path
 
 __all__ = [
     "HEADER_REASON",
@@ -43,8 +45,6 @@ __all__ = [
     "build_producer",
     "decode_record",
 ]
-
-Event = Correction | Resolution | Reward
 
 HEADER_REASON = "clora.reason"
 HEADER_SOURCE_TOPIC = "clora.source.topic"
@@ -67,6 +67,17 @@ async def close_quietly(aw: Any) -> None:
         await aw
     except Exception as exc:
         log.debug("ignored while closing: %r", exc)
+
+
+async def start_producer(bootstrap_servers: str, **options: Any) -> AIOKafkaProducer:
+    """A connected `acks=all` aiokafka producer. Raises `UnavailableError` if unreachable."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", **options)
+    try:
+        await producer.start()
+    except KafkaError as exc:
+        await close_quietly(producer.stop())
+        raise kafka_error(f"connect to {bootstrap_servers}", exc) from exc
+    return producer
 
 
 # -- decoding ---------------------------------------------------------------------------
@@ -118,7 +129,8 @@ def decode_record(
 def _errors_text(exc: ValidationError, most: int = 5) -> str:
     parts = []
     for err in exc.errors()[:most]:
-        where = ".".join(str(p) for p in err["loc"]) or "event"
+        # The kind tag stays in: the reason should say which kind failed (`reward.value`).
+        where = json_path(err["loc"]) or "event"
         parts.append(f"{where}: {err['msg']}")
     more = exc.error_count() - most
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
@@ -178,15 +190,7 @@ class FeedbackProducer(AsyncLifecycle):
 
     async def start(self) -> None:
         """Connect. Raises `UnavailableError` when the cluster cannot be reached."""
-        producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap_servers, acks="all", **self._args
-        )
-        try:
-            await producer.start()
-        except KafkaError as exc:
-            await close_quietly(producer.stop())
-            raise kafka_error(f"connect to {self.bootstrap_servers}", exc) from exc
-        self._producer = producer
+        self._producer = await start_producer(self.bootstrap_servers, **self._args)
 
     async def stop(self) -> None:
         """Flush pending sends and disconnect; idempotent."""

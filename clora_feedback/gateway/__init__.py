@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP gateway (FastAPI): agents as models, trajectories captured.
 
-Entry points live in `clora_feedback.gateway.app` (`create_app`,
-`build_app_from_settings`, `serve`); they are not re-exported here so that
-importing a light module (e.g. `gateway.tools` or `gateway.protocol`) does not
+The entry point is `clora_feedback.gateway.app.create_app` (building from
+`Settings` and serving is the composition root's, `clora_feedback.service`);
+it is not re-exported here so that
+importing a light module (e.g. `gateway.errors`) does not
 pull in the whole server.
 
 Modules, one concern each:
-    protocol     request models and the `clora` response extension
     errors       the one mapping from errors to OpenAI error JSON
     auth         API keys -> principals
     agents       agent registry, routing of `model`, adapter versions
@@ -20,5 +20,7 @@ Modules, one concern each:
     sse          event-stream response with disconnect detection
     routes       thin routers
     app          wiring and lifespan
-    tools, tool_constraint   tool-call rendering, parsing and forced-call grammar
+
+The prompt format (tool rendering, parsing, the forced-call grammar) lives in
+`clora_feedback.chat_format`; the wire models in `clora_feedback.schemas.openai`.
 """

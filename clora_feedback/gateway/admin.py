@@ -50,7 +50,7 @@ class ModelsHandler:
         for info in self._agents.agents():
             if not principal.can_use_agent(info.name):
                 continue
-            version = self._engine.adapter_version(info.name)
+            version = self._agents.version(info.name)  # the deployer's: the one source
             root = str(info.adapter_path) if info.adapter_path is not None else base
             data.append(
                 self._model(

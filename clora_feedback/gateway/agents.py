@@ -3,7 +3,7 @@
 A `model` in a request is either the base model's name (`engine.model_name`)
 or an agent name. Agents come from two places:
 - configuration (`Settings.agents`), optionally with an initial PEFT adapter
-  loaded at startup as version 1 (or the next version the `VersionSource` hands out);
+  loaded at startup as the agent's next registry version;
 - `POST /v1/load_lora_adapter`, which creates the agent if it is new.
 
 Choice, documented: an agent without an adapter is served by the base model.
@@ -14,9 +14,13 @@ agent collects training data from its first request.
 Unloading an adapter of a configured agent falls back to the base model; an
 agent that only existed because an adapter was loaded at runtime disappears.
 
-Version numbers come from a `VersionSource`: monotonic per agent, in memory for
-now (`InMemoryVersions`); the persistent adapter registry plugs in behind the
-same small Protocol.
+What serves each agent is the deployer's (`clora_feedback.engine.deployer`):
+a load adopts the adapter as a new immutable registry version and activates
+it, an unload deactivates the agent's pointer, and every live version reported
+here (`Route.adapter_version`, `version`) is `Deployer.serving`. So a version
+the trainer published, or a rollback, is seen at once; an agent served from
+the registry but not configured (loaded at runtime before a restart, or in
+another process) is listed too.
 
 Not here: HTTP (see `admin`), reading adapter files (see `lora.peft_io`).
 """
@@ -29,41 +33,15 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from clora_feedback.config import AgentConfig
 from clora_feedback.engine.base import Engine
+from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.types import BASE_VERSION
 from clora_feedback.errors import InvalidRequestError, NotFoundError
-from clora_feedback.lora.peft_io import load_peft_adapter
-from clora_feedback.lora.weights import LoRALimits, LoRAWeights
+from clora_feedback.lora.weights import LoRALimits
 
 log = logging.getLogger(__name__)
-
-
-class VersionSource(Protocol):
-    """Numbers (and, with a registry, records) the adapters loaded at runtime.
-
-    The seam for the persistent version registry: `clora_feedback.service`
-    plugs in one that publishes every loaded adapter as an immutable version.
-    """
-
-    def adopt(self, agent: str, path: Path, weights: LoRAWeights) -> int:
-        """Record an adapter loaded from `path` for `agent`; returns its new version number,
-        greater than every one handed out before for `agent`. Blocking (may write files)."""
-        ...
-
-
-class InMemoryVersions:
-    """Monotonic per-agent counters that live as long as the process."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, int] = {}
-
-    def adopt(self, agent: str, path: Path, weights: LoRAWeights) -> int:
-        version = self._last.get(agent, BASE_VERSION) + 1
-        self._last[agent] = version
-        return version
 
 
 @dataclass(frozen=True)
@@ -75,7 +53,8 @@ class Route:
         agent: the agent (recorded in the trajectory); None for the bare base model.
         engine_agent: what goes into `GenerationRequest.agent`: the agent when it
             has an adapter, None when the base model serves it.
-        adapter_version: the live adapter version at routing time (0 = base model).
+        adapter_version: the version served at routing time (0 = base model), from
+            `Deployer.serving`.
     """
 
     model: str
@@ -92,28 +71,26 @@ class AgentInfo:
         name: the public agent name (= `model` in requests).
         created: unix time the agent was registered.
         from_config: declared in settings (survives unloading its adapter).
-        adapter_path: the directory the live adapter came from, if any.
-        adapter_version: the live adapter version, or None when the base model serves it.
+        adapter_path: the directory the adapter loaded here at runtime came from, if any.
     """
 
     name: str
     created: int
     from_config: bool
     adapter_path: Path | None = None
-    adapter_version: int | None = None
 
 
 class AgentRegistry:
     """Agents, their adapters and the routing of `model` names.
 
     Args:
-        engine: the engine that holds the adapters.
-        versions: where version numbers come from (default: in memory).
+        engine: the serving engine (its model name and adapter limits).
+        deployer: what serves each agent, and the one way to load or unload an adapter.
     """
 
-    def __init__(self, engine: Engine, *, versions: VersionSource | None = None) -> None:
+    def __init__(self, engine: Engine, deployer: Deployer) -> None:
         self._engine = engine
-        self._versions: VersionSource = versions or InMemoryVersions()
+        self.deployer = deployer
         self._agents: dict[str, AgentInfo] = {}
         self._lock = asyncio.Lock()
         self.created = int(time.time())
@@ -145,15 +122,36 @@ class AgentRegistry:
                     version,
                 )
 
+    def version(self, name: str) -> int | None:
+        """The version served for agent `name` (None: the base model serves it)."""
+        return self.deployer.serving(name)
+
     def names(self) -> list[str]:
-        """Agent names in registration order."""
-        return list(self._agents)
+        """Agent names: registered ones in order, then others the deployer serves."""
+        return [info.name for info in self.agents()]
 
     def agents(self) -> list[AgentInfo]:
-        return list(self._agents.values())
+        # A runtime agent exists while something serves it, wherever it was loaded.
+        known = [
+            info
+            for info in self._agents.values()
+            if info.from_config or self.version(info.name) is not None
+        ]
+        served = sorted(set(self.deployer.served()) - set(self._agents))
+        return known + [self._adopted(name) for name in served]
 
     def get(self, name: str) -> AgentInfo | None:
-        return self._agents.get(name)
+        info = self._agents.get(name)
+        if info is not None:
+            return info if info.from_config or self.version(name) is not None else None
+        return self._adopted(name) if self.version(name) is not None else None
+
+    def _adopted(self, name: str) -> AgentInfo:
+        """A served agent this table did not register (restart, another process)."""
+        info = self._agents.get(name)
+        if info is None:
+            info = self._agents[name] = AgentInfo(name, int(time.time()), from_config=False)
+        return info
 
     def resolve(self, model: str) -> Route:
         """Route a request's `model`.
@@ -163,21 +161,19 @@ class AgentRegistry:
         """
         if model == self.base_model:
             return Route(model, agent=None, engine_agent=None, adapter_version=BASE_VERSION)
-        info = self._agents.get(model)
-        if info is None:
+        if self.get(model) is None:
             raise NotFoundError(
                 f"The model `{model}` does not exist. GET /v1/models lists the agents served here.",
                 param="model",
                 code="model_not_found",
             )
-        # The engine is the source of truth: a trainer may publish newer versions directly.
-        live = self._engine.adapter_version(model)
+        live = self.version(model)
         if live is None:
             return Route(model, agent=model, engine_agent=None, adapter_version=BASE_VERSION)
         return Route(model, agent=model, engine_agent=model, adapter_version=live)
 
     async def load_adapter(self, name: str, path: Path, *, replace: bool = False) -> int:
-        """Read a PEFT adapter and install it for `name` as a new version.
+        """Read a PEFT adapter and serve it for `name` as a new version (`Deployer.adopt`).
 
         The files are read and validated off the event loop before the engine is
         touched, so a bad adapter never disturbs the one being served.
@@ -197,50 +193,35 @@ class AgentRegistry:
         """
         self._check_name_free_of_base(name, param="lora_name")
         async with self._lock:
-            info = self._agents.get(name)
-            if info is not None and info.adapter_version is not None and not replace:
+            if self.version(name) is not None and not replace:
                 raise InvalidRequestError(
                     f"The lora adapter '{name}' has already been loaded.",
                     param="lora_name",
                     code="lora_already_loaded",
                 )
-            weights: LoRAWeights = await asyncio.to_thread(
-                load_peft_adapter, Path(path), limits=self.limits
-            )
-            version = await asyncio.to_thread(self._versions.adopt, name, Path(path), weights)
-            self._engine.set_adapter(name, version, weights)
+            version = await self.deployer.adopt(name, Path(path))
+            info = self._agents.get(name)
             if info is None:
-                info = AgentInfo(name, int(time.time()), from_config=False)
-                self._agents[name] = info
+                info = self._agents[name] = AgentInfo(name, int(time.time()), from_config=False)
             info.adapter_path = Path(path)
-            info.adapter_version = version
             return version
 
-    def restore(self, name: str, version: int) -> None:
-        """Register an agent whose adapter the caller already installed in the engine
-        (e.g. its active version from the registry after a restart)."""
-        info = self._agents.get(name)
-        if info is None:
-            info = AgentInfo(name, int(time.time()), from_config=False)
-            self._agents[name] = info
-        info.adapter_version = version
-
     async def unload_adapter(self, name: str) -> None:
-        """Remove `name`'s adapter; a configured agent falls back to the base model.
+        """Stop serving `name`'s adapter (`Deployer.deactivate`): a configured agent falls
+        back to the base model, and is not trained until an adapter is loaded again.
 
         Raises:
             NotFoundError: the agent has no adapter loaded.
         """
         async with self._lock:
-            info = self._agents.get(name)
-            if info is None or info.adapter_version is None:
+            if self.get(name) is None or self.version(name) is None:
                 raise NotFoundError(
                     f"The lora adapter '{name}' cannot be found.",
                     param="lora_name",
                     code="lora_not_found",
                 )
-            self._engine.remove_adapter(name)
-            info.adapter_version = None
+            await self.deployer.deactivate(name)
+            info = self._agents[name]
             info.adapter_path = None
             if not info.from_config:
                 del self._agents[name]

@@ -1,14 +1,13 @@
-"""Assemble the gateway: `create_app` wires parts together, `serve` runs uvicorn.
+"""Assemble the gateway: `create_app` wires ready-made parts into one FastAPI app.
 
 `create_app(settings, engine, store)` takes ready-made parts (tests pass a
 tiny-model engine and a temp store) and returns a FastAPI app whose lifespan
 starts the store and the engine, loads the configured agents' adapters, and
-stops everything in reverse order on shutdown. `build_app_from_settings`
-resolves the model directory and builds the embedded engine and the SQLite
-store from `Settings`; `serve` runs that under uvicorn (the `clora serve` CLI
-calls it).
+stops everything in reverse order on shutdown.
 
-Not here: command-line parsing (see `clora_feedback.cli.main`).
+Not here: building the parts from `Settings` and running uvicorn (the
+composition root, `clora_feedback.service.build_service` and `serve`; the
+gateway never imports it), command-line parsing (`clora_feedback.cli.main`).
 """
 
 from __future__ import annotations
@@ -23,14 +22,16 @@ from fastapi import APIRouter, FastAPI
 from clora_feedback import __version__
 from clora_feedback.config import Settings
 from clora_feedback.engine.base import Engine
+from clora_feedback.engine.deployer import Deployer
 from clora_feedback.gateway.admin import AdapterAdminHandler, ModelsHandler, TrajectoryHandler
-from clora_feedback.gateway.agents import AgentRegistry, VersionSource
+from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import KeyAuthenticator
 from clora_feedback.gateway.chat import ChatHandler
 from clora_feedback.gateway.completions import CompletionHandler
 from clora_feedback.gateway.errors import install_error_handlers
 from clora_feedback.gateway.metrics import HTTPMetricsMiddleware, Metrics
 from clora_feedback.gateway.routes import GatewayState, router
+from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def create_app(
     engine: Engine,
     store: AsyncTrajectoryStore,
     *,
-    versions: VersionSource | None = None,
+    deployer: Deployer | None = None,
     agents: AgentRegistry | None = None,
     routers: Sequence[APIRouter] = (),
     components: Sequence[Component] = (),
@@ -60,12 +61,13 @@ def create_app(
         settings: agents, API keys.
         engine: the serving engine (not yet started).
         store: the trajectory store (not yet started).
-        versions: where adapter version numbers come from (default: in memory).
-        agents: a prepared agent registry (default: a new one over `engine`).
+        deployer: makes `engine` serve the registry's active pointers (default: one over
+            a registry of its own under `settings.data_dir`); started before `components`.
+        agents: a prepared agent registry (default: a new one over `engine` and `deployer`).
         routers: more routes (feedback, adapters), mounted after the OpenAI ones.
         components: started in order once the agents are loaded, stopped in reverse.
     """
-    agents = agents or AgentRegistry(engine, versions=versions)
+    agents = agents or AgentRegistry(engine, deployer or _own_deployer(settings, engine))
     metrics = Metrics()
     state = GatewayState(
         engine=engine,
@@ -89,7 +91,7 @@ def create_app(
                 await agents.start(settings.agents)
                 started: list[Component] = []
                 try:
-                    for component in components:
+                    for component in (agents.deployer, *components):
                         await component.start()
                         started.append(component)
                     log.info("serving %s with agents %s", engine.model_name, agents.names())
@@ -113,17 +115,8 @@ def create_app(
     return app
 
 
-def build_app_from_settings(settings: Settings) -> FastAPI:
-    """The full embedded default: see `clora_feedback.service.build_service`."""
-    from clora_feedback.service import build_service
-
-    return build_service(settings)
-
-
-def serve(settings: Settings) -> None:
-    """Build the app from `settings` and serve it with uvicorn until interrupted."""
-    import uvicorn
-
-    app = build_app_from_settings(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info")
-    uvicorn.Server(config).run()
+def _own_deployer(settings: Settings, engine: Engine) -> Deployer:
+    """A gateway built without a service: adapters loaded at runtime still become registry
+    versions, in a registry of its own under `settings.data_dir`, closed when it stops."""
+    registry = AdapterRegistry(settings.data_dir / "adapters", settings.registry_db)
+    return Deployer(engine, registry, on_stop=registry.close)

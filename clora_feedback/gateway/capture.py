@@ -5,6 +5,12 @@ non-streamed response is returned or the stream's `[DONE]` is sent, so every
 completion id a client has seen can be looked up (and rewarded) later. A
 request that fails, or whose client disconnects, records nothing.
 
+The record follows the serving engine's `capabilities`: it says how the
+behaviour logprobs were computed ("raw" or "processed") and whether the token
+versions are exact per token or the admitted version repeated ("request"), so
+the trainer can tell; `version_attribution` says the same in the `clora`
+response extension.
+
 Not here: the database (see `clora_feedback.store.trajectories`), rewards.
 """
 
@@ -13,10 +19,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from clora_feedback.engine.base import Engine
+from clora_feedback.engine.types import EngineCapabilities
 from clora_feedback.gateway.agents import Route
 from clora_feedback.gateway.auth import Principal
 from clora_feedback.gateway.generation import ChoiceState, GenerationRun
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
+
+
+def version_attribution(engine: Engine) -> Literal["request"] | None:
+    """The `clora` extension's `version_attribution`: "request" when the engine attributes
+    one version per request, None (omitted) when every token's version is exact."""
+    return None if engine.capabilities.per_token_versions else "request"
 
 
 def build_record(
@@ -29,6 +43,7 @@ def build_record(
     prompt_token_ids: list[int],
     run: GenerationRun,
     outputs: Sequence[tuple[ChoiceState, str, str | None, list[dict[str, Any]] | None]],
+    capabilities: EngineCapabilities,
 ) -> TrajectoryRecord:
     """Assemble the record.
 
@@ -41,6 +56,8 @@ def build_record(
         prompt_token_ids: the prompt exactly as the engine saw it.
         run: the finished generation (for timings).
         outputs: per choice: (state, text returned, finish reason returned, tool calls).
+        capabilities: the serving engine's; the record says how its logprobs were
+            computed and whether its token versions are per token or per request.
     """
     samples = [
         SampleRecord(
@@ -68,4 +85,6 @@ def build_record(
         created_at=run.created_at,
         timings=run.timings(),
         api_key_agent=key_agent,
+        logprobs_mode=capabilities.logprobs,
+        version_attribution="token" if capabilities.per_token_versions else "request",
     )

@@ -4,51 +4,55 @@ Per request, `ChatHandler`:
 1. routes `model` to an agent (404 unknown, 403 not this key's);
 2. renders messages and tools (`tools.render_messages`), applies the model's
    chat template with the generation prompt, and for a forced `tool_choice`
-   ("required" or a named function) appends `forced_call_prefix` and builds
-   one `JSONCallConstraint` per choice, so the call's arguments are always
-   well-formed JSON (stop strings are ignored for forced calls: they could cut it);
+   ("required" or a named function) appends `forced_call_prefix` and asks the
+   engine for a `ToolCallSpec` (the functions' parameter schemas), which the
+   engine compiles, so the call's arguments are always JSON that follows the
+   declared parameters (stop strings are ignored for forced calls: they could
+   cut it); an engine that cannot compile it answers 400;
 3. checks the context window and submits n sequences (`GenerationRun`);
 4. parses tool calls (`finish_reason` "tool_calls" when there are any);
 5. records the trajectory, then answers: one JSON body, or SSE chunks ending
    with an optional usage chunk and `[DONE]` (the trajectory is committed first).
 
-Not here: HTTP routing (see `routes`), the wire models (see `protocol`).
+Not here: HTTP routing (see `routes`), the wire models (see `schemas.openai`), the
+prompt format and its grammar (see `clora_feedback.chat_format`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from starlette.requests import Request
 
+from clora_feedback.chat_format.constraint import call_grammar, completion_suffix
+from clora_feedback.chat_format.json_prefix import JSONPrefix
+from clora_feedback.chat_format.tools import (
+    ContentDelta,
+    StreamEvent,
+    ToolCallEvent,
+    ToolCallStreamParser,
+    forced_call,
+    forced_call_prefix,
+    parse_tool_calls,
+    render_messages,
+)
 from clora_feedback.engine.base import Engine
-from clora_feedback.engine.types import RequestOutput, TokenConstraint
+from clora_feedback.engine.guided import check_supported
+from clora_feedback.engine.types import RequestOutput, ToolCallSpec
 from clora_feedback.errors import CloraError, EngineError, InvalidRequestError
 from clora_feedback.gateway.agents import AgentRegistry, Route
 from clora_feedback.gateway.auth import Principal
-from clora_feedback.gateway.capture import build_record
+from clora_feedback.gateway.capture import build_record, version_attribution
 from clora_feedback.gateway.errors import error_event
 from clora_feedback.gateway.generation import ChoiceState, GenerationRun, plan_sampling
 from clora_feedback.gateway.logprobs import TokenPieces, chat_logprobs
 from clora_feedback.gateway.metrics import Metrics
 from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
-from clora_feedback.gateway.tool_constraint import JSONCallConstraint, vocab_texts
-from clora_feedback.gateway.tools import (
-    ContentDelta,
-    StreamEvent,
-    ToolCallEvent,
-    ToolCallStreamParser,
-    forced_call_constraint,
-    forced_call_prefix,
-    parse_tool_calls,
-    render_messages,
-)
 from clora_feedback.schemas.openai import (
     ChatCompletionRequest,
     CloraChoiceExtension,
@@ -70,13 +74,15 @@ class ChatPrompt:
         forced_prefix: text of a forced tool-call opening ("" when none is forced);
             part of the prompt, but parsed together with the generated text.
         parse_tools: tools are offered, so the output is parsed for calls.
-        constraint_factory: a fresh JSON constraint per choice for forced calls.
+        guided: the forced call's declarative spec, for the engine to compile.
+        grammar: the same call's grammar, to close a call that `max_tokens` cut short.
     """
 
     token_ids: list[int]
     forced_prefix: str
     parse_tools: bool
-    constraint_factory: Callable[[], TokenConstraint] | None
+    guided: ToolCallSpec | None = None
+    grammar: JSONPrefix | None = None
 
 
 @dataclass
@@ -88,12 +94,15 @@ class ChoiceResult:
     finish_reason: str
 
 
-def closing_suffix(choice: ChoiceState) -> str:
-    """Text that completes a forced call cut short by `max_tokens` ("" when it completed)."""
-    constraint = choice.constraint
-    if isinstance(constraint, JSONCallConstraint) and not constraint.is_done():
-        return constraint.closing_suffix()
-    return ""
+def closing_suffix(prompt: ChatPrompt, choice: ChoiceState) -> str:
+    """Text that completes a forced call cut short by `max_tokens` ("" when it completed).
+
+    The generated text is replayed through the call's grammar here: the engine's
+    compiled constraint stays inside the engine.
+    """
+    if prompt.grammar is None:
+        return ""
+    return completion_suffix(prompt.grammar, choice.text)
 
 
 def _tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -111,7 +120,6 @@ class ChatHandler:
         self._store = store
         self._metrics = metrics
         self._pieces = TokenPieces(engine.tokenizer)
-        self._vocab: list[str] | None = None
 
     async def create(
         self, body: ChatCompletionRequest, principal: Principal, request: Request
@@ -119,7 +127,7 @@ class ChatHandler:
         """Answer one request: a JSON-able dict, or an `SSEResponse` when streaming."""
         route = self._agents.resolve(body.model)
         principal.check_model(body.model, route.agent)
-        prompt = await self._prepare(body)
+        prompt = self._prepare(body)
         param, max_tokens = body.max_tokens_param
         sampling = plan_sampling(
             prompt_len=len(prompt.token_ids),
@@ -130,7 +138,7 @@ class ChatHandler:
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
-            stop=() if prompt.constraint_factory else stop_list(body.stop),
+            stop=() if prompt.guided else stop_list(body.stop),
             logprobs=bool(body.logprobs),
             top_logprobs=body.top_logprobs or 0,
         )
@@ -142,7 +150,7 @@ class ChatHandler:
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
             n=body.n or 1,
-            constraint_factory=prompt.constraint_factory,
+            guided=prompt.guided,
         )
         if body.stream:
             return SSEResponse(
@@ -155,7 +163,7 @@ class ChatHandler:
 
     # -- prompt ---------------------------------------------------------------------
 
-    async def _prepare(self, body: ChatCompletionRequest) -> ChatPrompt:
+    def _prepare(self, body: ChatCompletionRequest) -> ChatPrompt:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         choice = body.tool_choice
         choice_wire: str | dict[str, Any] | None = (
@@ -172,24 +180,15 @@ class ChatHandler:
         text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
         prefix = forced_call_prefix(choice_wire, tools)
         ids = list(tokenizer.encode(str(text) + prefix, add_special_tokens=False))
-        factory: Callable[[], TokenConstraint] | None = None
-        if prefix:
-            texts = await self._token_texts()
-
-            def factory() -> TokenConstraint:
-                constraint = forced_call_constraint(choice_wire, tools, texts)
-                assert constraint is not None  # a prefix implies a forced call
-                return constraint
-
         parse = bool(tools) and body.effective_tool_choice != "none"
-        return ChatPrompt(ids, prefix, parse, factory)
-
-    async def _token_texts(self) -> list[str]:
-        # Decoding the whole vocabulary takes a moment on large tokenizers: once, off the loop.
-        if self._vocab is None:
-            tokenizer: Any = self._engine.tokenizer
-            self._vocab = await asyncio.to_thread(vocab_texts, tokenizer)
-        return self._vocab
+        forced = forced_call(choice_wire, tools)
+        if forced is None:
+            return ChatPrompt(ids, prefix, parse)
+        name, functions = forced
+        spec = ToolCallSpec(functions=functions, name=name)
+        check_supported(spec, self._engine.capabilities)
+        # Compiled here too (cheap, no tokens): a bad schema is a 400 before any engine work.
+        return ChatPrompt(ids, prefix, parse, spec, call_grammar(functions, name))
 
     # -- results --------------------------------------------------------------------
 
@@ -199,7 +198,7 @@ class ChatHandler:
             return ChoiceResult(choice.text, None, reason)
         text = choice.text
         if prompt.forced_prefix:
-            text = prompt.forced_prefix + text + closing_suffix(choice)
+            text = prompt.forced_prefix + text + closing_suffix(prompt, choice)
         content, calls = parse_tool_calls(text)
         if not calls:
             return ChoiceResult(content or "", None, reason)
@@ -229,6 +228,7 @@ class ChatHandler:
                 (c, c.text, r.finish_reason, r.tool_calls)
                 for c, r in zip(run.choices, results, strict=True)
             ],
+            capabilities=self._engine.capabilities,
         )
         await self._store.record(record)
         generated = sum(len(c.token_ids) for c in run.choices)
@@ -248,6 +248,7 @@ class ChatHandler:
             agent=route.agent,
             adapter_version=route.adapter_version,
             prompt_token_ids=prompt.token_ids if prompt is not None else None,
+            version_attribution=version_attribution(self._engine),
         ).wire()
 
     def _response(
@@ -398,7 +399,7 @@ class _ChoiceStreamer:
         else:
             events = parser.feed(out.text) if out.text else []
             if out.finished:
-                tail = closing_suffix(choice) if self._prompt.forced_prefix else ""
+                tail = closing_suffix(self._prompt, choice)
                 events += (parser.feed(tail) if tail else []) + parser.finish()
             self._apply_events(choice.index, events, delta)
         start = len(choice.token_ids) - len(out.tokens)

@@ -24,7 +24,7 @@ from clora_feedback.engine.types import RequestOutput
 from clora_feedback.errors import CloraError, EngineError
 from clora_feedback.gateway.agents import AgentRegistry, Route
 from clora_feedback.gateway.auth import Principal
-from clora_feedback.gateway.capture import build_record
+from clora_feedback.gateway.capture import build_record, version_attribution
 from clora_feedback.gateway.errors import error_event
 from clora_feedback.gateway.generation import ChoiceState, GenerationRun, plan_sampling
 from clora_feedback.gateway.logprobs import TokenPieces, completion_logprobs
@@ -155,7 +155,10 @@ class CompletionHandler:
 
     def _extension(self, route: Route, prompt_ids: list[int] | None) -> dict[str, Any]:
         return CloraResponseExtension(
-            agent=route.agent, adapter_version=route.adapter_version, prompt_token_ids=prompt_ids
+            agent=route.agent,
+            adapter_version=route.adapter_version,
+            prompt_token_ids=prompt_ids,
+            version_attribution=version_attribution(self._engine),
         ).wire()
 
     async def _record(
@@ -176,6 +179,7 @@ class CompletionHandler:
             prompt_token_ids=prompt_ids,
             run=run,
             outputs=[(c, c.text, c.finish_reason or "stop", None) for c in run.choices],
+            capabilities=self._engine.capabilities,
         )
         await self._store.record(record)
         generated = sum(len(c.token_ids) for c in run.choices)

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clora_feedback.errors import CloraError, InvalidRequestError, NotFoundError, OverloadedError
+from clora_feedback.schemas.paths import json_path
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +73,14 @@ def param_from_loc(loc: Sequence[int | str]) -> str | None:
     `("body",)` (the whole body) -> None.
     """
     items = list(loc[1:] if loc and loc[0] in _LOCATIONS else loc)
-    parts: list[str] = []
-    previous: int | str | None = None
-    for item in items:
-        if isinstance(item, int):
-            parts.append(f"[{item}]")
-        elif _TYPE_NOISE.match(item) or (isinstance(previous, int) and item in _ROLE_TAGS):
-            pass
-        else:
-            parts.append(f".{item}" if parts else item)
-        previous = item
-    if not parts or parts[0].startswith("["):
+    path = json_path(items, skip=_not_a_param)
+    if not path or path.startswith("["):
         return None
-    return "".join(parts)
+    return path
+
+
+def _not_a_param(item: str, previous: int | str | None) -> bool:
+    return bool(_TYPE_NOISE.match(item)) or (isinstance(previous, int) and item in _ROLE_TAGS)
 
 
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:

@@ -28,8 +28,8 @@ Delivery, once the batch is valid:
   "event_ids", "joined", "parked", "duplicates", "rejected": [{"event_id", "reason"}]}`.
   Status: 200 when everything joined (or was a duplicate); 202 when some event
   is parked, i.e. names a completion that is not stored yet (feedback may beat
-  its trajectory; `ParkedRejoiner` joins it once the trajectory arrives, or
-  marks it dead after `feedback.park_ttl_s`); 422 `feedback_rejected` when the store refused
+  its trajectory; the ingest's rejoin loop joins it once the trajectory arrives,
+  or dead-letters it after `feedback.park_ttl_s`, as for Kafka); 422 `feedback_rejected` when the store refused
   every event (the body then carries both the error object and the report);
   a batch with only some refused is still 200/202, the refusals listed in `rejected`.
 
@@ -37,14 +37,16 @@ The completion-owner check looks up completions that are already stored; one
 that arrives later is checked by the store when it joins (another agent's
 completion is then dead-lettered, never rewarded).
 
-Not here: key handling (`auth`), the error JSON (`errors`), the store
-(`clora_feedback.feedback.store`), Kafka (`clora_feedback.feedback.kafka`).
+The wire contract (receipt, signature, validation translator) comes from
+`clora_feedback.schemas.feedback`, which the SDK imports too.
+
+Not here: key handling (`auth`), the error JSON (`errors`), applying, rejoining
+and dead-lettering (`clora_feedback.feedback.ingest`), Kafka (`clora_feedback.feedback.kafka`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import Sequence
@@ -54,29 +56,28 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from clora_feedback.client import (
-    SIGNATURE_HEADER,
-    FeedbackReceipt,
-    RejectedEvent,
-    event_validation_error,
-    sign_body,
-)
 from clora_feedback.config import Settings
 from clora_feedback.errors import (
-    AuthenticationError,
-    CloraError,
     InvalidRequestError,
-    NotFoundError,
     PayloadTooLargeError,
     PermissionDeniedError,
 )
-from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming, Rejected
+from clora_feedback.feedback.ingest import FeedbackIngest
+from clora_feedback.feedback.store import ApplyReport, Incoming
 from clora_feedback.gateway.auth import Principal, current_principal
 from clora_feedback.gateway.errors import error_payload
-from clora_feedback.lifecycle import BackgroundTask
-from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_events
+from clora_feedback.schemas.feedback import (
+    SIGNATURE_HEADER,
+    Event,
+    FeedbackReceipt,
+    RejectedEvent,
+    event_validation_error,
+    parse_events,
+    verify_signature,
+)
 
-Event = Correction | Resolution | Reward
+__all__ = ["Event", "FeedbackHandler", "FeedbackSink", "build_feedback_router"]
+
 log = logging.getLogger(__name__)
 
 _DRAIN_FACTOR = 16
@@ -96,7 +97,7 @@ class FeedbackHandler:
     """Validates, authorises and delivers webhook feedback (see the module docstring).
 
     Args:
-        store: the feedback store (applies events when there is no sink; always
+        ingest: applies events when there is no sink (its store is always
             used to look up who owns a completion).
         webhook_secret: HMAC key; None = bodies are not signed.
         max_body_bytes: largest body accepted.
@@ -105,13 +106,13 @@ class FeedbackHandler:
 
     def __init__(
         self,
-        store: FeedbackStore,
+        ingest: FeedbackIngest,
         *,
         webhook_secret: str | None,
         max_body_bytes: int,
         sink: FeedbackSink | None = None,
     ) -> None:
-        self._store = store
+        self._ingest = ingest
         self._secret = webhook_secret
         self._max_body_bytes = max_body_bytes
         self._sink = sink
@@ -162,21 +163,8 @@ class FeedbackHandler:
         Raises:
             AuthenticationError: the header is missing, malformed or does not match.
         """
-        if self._secret is None:
-            return
-        if not header:
-            raise AuthenticationError(
-                f"this webhook requires a {SIGNATURE_HEADER} header: "
-                "sha256=<hex HMAC-SHA256 of the body>",
-                code="missing_signature",
-            )
-        expected = sign_body(body, self._secret)
-        # Header values are latin-1 on the wire; encode so any byte compares, never raises.
-        given = header.strip().lower().encode("latin-1", errors="replace")
-        if not hmac.compare_digest(expected.encode(), given):
-            raise AuthenticationError(
-                f"{SIGNATURE_HEADER} does not match the body", code="invalid_signature"
-            )
+        if self._secret is not None:
+            verify_signature(body, self._secret, header)
 
     def parse(self, body: bytes) -> tuple[list[Event], bool]:
         """Decode and validate the events of a body: (events, whether it was a list).
@@ -231,12 +219,10 @@ class FeedbackHandler:
         Another agent's completion is refused as "not yours", never naming its owner.
         """
         for i, event in enumerate(events):
+            owners = self._ingest.store.owners(event.targets())
             for completion_id in event.targets():
-                try:
-                    owner = self._store.trajectories.get(completion_id).agent
-                except NotFoundError:
-                    continue
-                if owner == event.agent:
+                owner = owners.get(completion_id)
+                if owner is None or owner == event.agent:
                     continue
                 field = (
                     "completion_id"
@@ -259,8 +245,7 @@ class FeedbackHandler:
         return JSONResponse(receipt.model_dump(mode="json"), status_code=202)
 
     async def _apply(self, events: Sequence[Event]) -> JSONResponse:
-        batch = [Incoming(e, "webhook") for e in events]
-        report: ApplyReport = await asyncio.to_thread(self._store.apply, batch)
+        report: ApplyReport = await self._ingest.apply([Incoming(e, "webhook") for e in events])
         receipt = FeedbackReceipt(
             delivery="store",
             accepted=len(events) - len(report.rejected),
@@ -282,42 +267,6 @@ class FeedbackHandler:
         return JSONResponse(content, status_code=202 if receipt.parked else 200)
 
 
-class ParkedRejoiner(BackgroundTask):
-    """Retries parked events every `interval_s` on the direct (no-Kafka) path.
-
-    With Kafka, the ingest consumer does this; without it, nothing else would:
-    run one of these for the gateway's lifetime (`start`/`stop`, or `async with`).
-    Events still unjoined after `ttl_s` become dead in the store, with their reason.
-
-    Args:
-        store: the feedback store the webhook applies to.
-        ttl_s: how long an event may wait for its trajectory (`feedback.park_ttl_s`).
-        interval_s: pause between retries.
-    """
-
-    task_name = "clora-parked-feedback"
-
-    def __init__(self, store: FeedbackStore, *, ttl_s: float, interval_s: float = 2.0) -> None:
-        self._store = store
-        self._ttl_s = ttl_s
-        self._interval_s = interval_s
-
-    async def run_once(self) -> tuple[list[str], list[Rejected]]:
-        """One retry: (event ids joined now, events that died)."""
-        joined, dead = await asyncio.to_thread(self._store.rejoin_parked, ttl_s=self._ttl_s)
-        for event in dead:
-            log.warning("feedback %s dead-lettered: %s", event.event_id, event.reason)
-        return joined, dead
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            try:
-                await self.run_once()
-            except CloraError as exc:  # a locked or failing database: try again next round
-                log.error("retrying parked feedback failed: %s", exc.message)
-
-
 def _path(index: int, field: str, batch: bool) -> str:
     """The JSON path of `field` of event `index` in the body (as schema errors name it)."""
     return f"[{index}].{field}" if batch else field
@@ -328,7 +277,7 @@ def _reject_constant(name: str) -> None:
 
 
 def build_feedback_router(
-    store: FeedbackStore, settings: Settings, sink: FeedbackSink | None = None
+    ingest: FeedbackIngest, settings: Settings, sink: FeedbackSink | None = None
 ) -> APIRouter:
     """The router of `POST /v1/feedback`.
 
@@ -336,12 +285,13 @@ def build_feedback_router(
     error handlers (`install_error_handlers`).
 
     Args:
-        store: the feedback store (over the gateway's trajectory database).
+        ingest: the feedback ingest (over the gateway's trajectory database); its
+            owner starts it, which runs the rejoin loop for parked events.
         settings: `feedback.webhook_secret` and `feedback.max_body_bytes` are read.
         sink: the Kafka producer when a bootstrap is configured, else None.
     """
     handler = FeedbackHandler(
-        store,
+        ingest,
         webhook_secret=settings.feedback.webhook_secret,
         max_body_bytes=settings.feedback.max_body_bytes,
         sink=sink,

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from clora_feedback.engine.base import Engine, RequestStream
 from clora_feedback.engine.types import (
     FinishReason,
     GenerationRequest,
+    GuidedDecoding,
     RequestOutput,
     SamplingParams,
-    TokenConstraint,
 )
 from clora_feedback.errors import ContextLengthError, EngineError
 
@@ -46,7 +46,9 @@ class ChoiceState:
         text: detokenised text released so far (stop strings removed).
         finish_reason: the engine's reason, once finished.
         first_token_at: `time.monotonic()` of the first token, if any.
-        constraint: the token constraint this choice generates under, if any.
+        per_token_versions: the engine attributes versions per token; when false every
+            token records the version the request was admitted under (the first one
+            reported), as `EngineCapabilities.per_token_versions` promises.
     """
 
     index: int
@@ -58,7 +60,7 @@ class ChoiceState:
     text: str = ""
     finish_reason: FinishReason | None = None
     first_token_at: float | None = None
-    constraint: TokenConstraint | None = None
+    per_token_versions: bool = True
 
     def apply(self, out: RequestOutput) -> None:
         """Fold one engine chunk into this choice."""
@@ -67,7 +69,8 @@ class ChoiceState:
         for event in out.tokens:
             self.token_ids.append(event.token_id)
             self.logprobs.append(event.logprob)
-            self.versions.append(event.adapter_version)
+            exact = self.per_token_versions or not self.versions
+            self.versions.append(event.adapter_version if exact else self.versions[0])
             self.top_logprobs.append(event.top_logprobs)
         self.text += out.text
         if out.finished:
@@ -149,7 +152,8 @@ class GenerationRun:
         prompt_token_ids: the prompt, shared by every choice.
         sampling: parameters before the per-choice seed offset.
         n: number of choices.
-        constraint_factory: builds a fresh constraint per choice (constraints are stateful).
+        guided: the declarative constraint every choice generates under (forced tool
+            call, JSON schema); the engine compiles one per sequence.
     """
 
     def __init__(
@@ -161,22 +165,24 @@ class GenerationRun:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         n: int,
-        constraint_factory: Callable[[], TokenConstraint] | None = None,
+        guided: GuidedDecoding | None = None,
     ) -> None:
-        self.choices = [ChoiceState(i, f"{completion_id}-{i}") for i in range(n)]
+        per_token = engine.capabilities.per_token_versions
+        self.choices = [
+            ChoiceState(i, f"{completion_id}-{i}", per_token_versions=per_token) for i in range(n)
+        ]
         self.created_at = time.time()
         self.started = time.monotonic()
         self.finished_at: float | None = None
         self._streams: list[RequestStream] = []
         try:
             for choice in self.choices:
-                choice.constraint = constraint_factory() if constraint_factory else None
                 request = GenerationRequest(
                     request_id=choice.request_id,
                     agent=agent,
                     prompt_token_ids=prompt_token_ids,
                     sampling=seeded(sampling, choice.index),
-                    constraint=choice.constraint,
+                    guided=guided,
                 )
                 # Raises OverloadedError / ContextLengthError / NotFoundError synchronously.
                 self._streams.append(engine.add_request(request))

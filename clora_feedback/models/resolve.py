@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 
 from clora_feedback.config import DEFAULT_MODEL
-from clora_feedback.engine.model import SUPPORTED_MODEL_TYPES as _ENGINE_TYPES
 from clora_feedback.errors import InvalidRequestError, NotFoundError
+from clora_feedback.model.config import SUPPORTED_MODEL_TYPES as _ENGINE_TYPES
 from clora_feedback.models.default import ensure_default_model_dir
 
 SUPPORTED_MODEL_TYPES = frozenset(_ENGINE_TYPES)

@@ -12,17 +12,34 @@ and when it happened:
   rejected or abandoned, with an optional satisfaction score.
 - `Reward`: an explicit scalar from any other source.
 
+Beside the events, this module holds the rest of the feedback wire contract,
+imported by both the webhook (`clora_feedback.gateway.feedback`) and the SDK
+(`clora_feedback.client`) so sender and receiver cannot drift: the one union
+alias `Event`, the receipt `POST /v1/feedback` answers with (`FeedbackReceipt`,
+`RejectedEvent`), the body signature (`SIGNATURE_HEADER`, `sign_body`,
+`verify_signature`) and the translation of a validation failure into one
+`InvalidRequestError` naming the field (`event_validation_error`).
+
 These models are the contract: `python -m clora_feedback.schemas.export`
 writes their JSON Schemas into `connectors/schemas/`, and a test fails when
 the files drift. Change a field only with a new `schema_version`.
+
+Not here: delivery (`clora_feedback.client`, `clora_feedback.feedback.records`),
+what an event is worth (`clora_feedback.feedback.rewards`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from clora_feedback.errors import AuthenticationError, InvalidRequestError
+from clora_feedback.schemas.paths import Item, json_path
 
 SCHEMA_VERSION = 1
 MAX_TEXT = 200_000
@@ -133,25 +150,134 @@ class Reward(_Event):
     )
 
 
-FeedbackEvent = Annotated[Correction | Resolution | Reward, Field(discriminator="kind")]
+Event = Correction | Resolution | Reward
+"""Any feedback event (the one union alias; `FeedbackEvent` is its discriminated form)."""
+FeedbackEvent = Annotated[Event, Field(discriminator="kind")]
 EVENT_TYPES: dict[str, type[_Event]] = {
     "correction": Correction,
     "resolution": Resolution,
     "reward": Reward,
 }
-_ADAPTER: TypeAdapter[Correction | Resolution | Reward] = TypeAdapter(FeedbackEvent)
-_BATCH: TypeAdapter[list[Correction | Resolution | Reward]] = TypeAdapter(list[FeedbackEvent])
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(FeedbackEvent)
+_BATCH: TypeAdapter[list[Event]] = TypeAdapter(list[FeedbackEvent])
 
 
-def parse_event(data: bytes | str | dict[str, object]) -> Correction | Resolution | Reward:
+def parse_event(data: bytes | str | dict[str, object]) -> Event:
     """Validate one event from JSON text/bytes or a decoded object (raises pydantic ValidationError)."""
     if isinstance(data, dict):
         return _ADAPTER.validate_python(data)
     return _ADAPTER.validate_json(data)
 
 
-def parse_events(data: object) -> list[Correction | Resolution | Reward]:
+def parse_events(data: object) -> list[Event]:
     """Validate one event or a list of events (already JSON-decoded)."""
     if isinstance(data, list):
         return _BATCH.validate_python(data)
     return [_ADAPTER.validate_python(data)]
+
+
+def event_param(loc: Sequence[Item], error_type: str = "") -> str | None:
+    """A pydantic error location in an event body as the JSON path of the field.
+
+    `(1, "resolution", "outcome")` -> `"[1].outcome"`; `("reward", "completion_ids", 2)`
+    -> `"completion_ids[2]"`. The discriminator tag pydantic inserts is not a field;
+    a missing or unknown tag names `kind`.
+    """
+    path = json_path(loc, skip=_is_tag)
+    if error_type in ("union_tag_not_found", "union_tag_invalid"):
+        path += ".kind" if path else "kind"
+    return path or None
+
+
+def _is_tag(item: str, previous: Item | None) -> bool:
+    return item in EVENT_TYPES and (previous is None or isinstance(previous, int))
+
+
+def event_validation_error(exc: ValidationError) -> InvalidRequestError:
+    """One `InvalidRequestError` (400) naming the first bad field, e.g. `param="[0].outcome"`."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    param = event_param(first["loc"], first["type"])
+    messages: list[str] = []
+    for err in errors:
+        if event_param(err["loc"], err["type"]) != param:
+            continue
+        if err["type"] == "union_tag_not_found":
+            text = f"required, one of {', '.join(repr(k) for k in EVENT_TYPES)}"
+        else:
+            text = str(err["msg"]).removeprefix("Value error, ")
+        if text not in messages:
+            messages.append(text)
+    text = "; ".join(messages[:3])
+    return InvalidRequestError(
+        f"{param}: {text}" if param else text, param=param, code="invalid_event"
+    )
+
+
+# -- the receipt ----------------------------------------------------------------------------
+
+
+class RejectedEvent(BaseModel):
+    """An event the store refused, and why (nothing of it was stored; fix and resend)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    event_id: str
+    reason: str
+
+
+class FeedbackReceipt(BaseModel):
+    """What one send reports (the JSON body `POST /v1/feedback` answers with).
+
+    Attributes:
+        delivery: `store` (applied by the gateway itself) or `kafka` (acknowledged by
+            the broker; the ingest consumer joins it later).
+        accepted: events taken (all for `kafka`; all but the rejected for `store`).
+        event_ids: every event of the request, in order.
+        joined: events whose rewards are now joined to their trajectories.
+        parked: events naming a completion not stored yet; joined when it arrives,
+            dead-lettered after the configured TTL.
+        duplicates: events already applied before (by `event_id`); nothing changed.
+        rejected: events that can never apply (e.g. a diff that does not match).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    delivery: Literal["store", "kafka"]
+    accepted: int
+    event_ids: list[str]
+    joined: list[str] = Field(default_factory=list)
+    parked: list[str] = Field(default_factory=list)
+    duplicates: list[str] = Field(default_factory=list)
+    rejected: list[RejectedEvent] = Field(default_factory=list)
+
+
+# -- the body signature ----------------------------------------------------------------------
+
+SIGNATURE_HEADER = "X-Clora-Signature"
+
+
+def sign_body(body: bytes, secret: str) -> str:
+    """The `X-Clora-Signature` value for `body`: `sha256=` + hex HMAC-SHA256 under `secret`."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def verify_signature(body: bytes, secret: str, header: str | None) -> None:
+    """Check a `X-Clora-Signature` header against `body` (constant-time compare).
+
+    Raises:
+        AuthenticationError: the header is missing, malformed or does not match.
+    """
+    if not header:
+        raise AuthenticationError(
+            f"this webhook requires a {SIGNATURE_HEADER} header: "
+            "sha256=<hex HMAC-SHA256 of the body>",
+            code="missing_signature",
+        )
+    expected = sign_body(body, secret)
+    # Header values are latin-1 on the wire; encode so any byte compares, never raises.
+    given = header.strip().lower().encode("latin-1", errors="replace")
+    if not hmac.compare_digest(expected.encode(), given):
+        raise AuthenticationError(
+            f"{SIGNATURE_HEADER} does not match the body", code="invalid_signature"
+        )

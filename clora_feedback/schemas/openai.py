@@ -407,17 +407,22 @@ class CloraResponseExtension(BaseModel):
         prompt_token_ids: the exact engine token ids of the prompt, including any
             chat template and forced tool-call prefix. Present on non-streamed
             responses and on the first chunk of a stream.
+        version_attribution: "request" when the serving engine attributes one
+            adapter version per request (its `token_versions` then repeat the
+            version the request was admitted under); absent when every token's
+            version is exact.
     """
 
     agent: str | None
     adapter_version: int
     prompt_token_ids: list[int] | None = None
+    version_attribution: Literal["request"] | None = None
 
     def wire(self) -> dict[str, Any]:
-        """JSON form: `agent` always present (null for the base model), prompt ids only when set."""
-        return self.model_dump(
-            exclude={"prompt_token_ids"} if self.prompt_token_ids is None else None
-        )
+        """JSON form: `agent` always present (null for the base model), the optional fields
+        only when set."""
+        unset = {k for k in ("prompt_token_ids", "version_attribution") if getattr(self, k) is None}
+        return self.model_dump(exclude=unset or None)
 
 
 class CloraChoiceExtension(BaseModel):

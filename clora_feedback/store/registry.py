@@ -21,7 +21,7 @@ another database's tree refuses rather than collect that tree's versions.
 A version's status is computed from the pointer and its rollback mark, never stored.
 
 Deliberately not here: the value types and Protocol (see `versions`), the engine
-(callers install weights themselves), HTTP (see `clora_feedback.gateway.adapters`),
+(`clora_feedback.engine.deployer` makes it serve the active pointer), HTTP (see `clora_feedback.gateway.adapters`),
 deciding when to roll back (see `guard`).
 """
 
@@ -310,8 +310,8 @@ class AdapterRegistry:
     def next_version(self, agent: str) -> int:
         """Reserve and return a version number above every one handed out for `agent`.
 
-        Also fits the gateway's `VersionSource`: an adapter loaded at runtime then
-        gets a number no published version will ever take.
+        The deployer reserves one before the engine serves a version that is not yet
+        written, so no published version can ever take that number.
         """
         check_agent_name(agent)
         with self._transaction("reserve") as conn:
@@ -740,6 +740,32 @@ class AdapterRegistry:
             "agent %s: rolled back from version %s to %d: %s", agent, active, version, reason
         )
         return self.get(agent, version)
+
+    def deactivate(self, agent: str, *, expected_active: int) -> AgentInfo:
+        """Point `agent` at no version: the base model serves it (an unload).
+
+        A compare-and-set like `rollback`, in one transaction; the versions are kept,
+        `activated_at` records the move and `activated_by` becomes None. A later
+        `publish` (parent None) or `rollback` activates a version again.
+
+        Raises:
+            NotFoundError: unknown agent.
+            ConflictError: the active version is not `expected_active` (`active_changed`).
+        """
+        with self._transaction("deactivate") as conn:
+            active = self._require_agent(conn, agent)[1]
+            if active is None or active != expected_active:
+                raise ConflictError(
+                    f"agent {agent!r}: the active version is {active}, not {expected_active}",
+                    code="active_changed",
+                )
+            conn.execute(
+                "UPDATE agents SET active_version = NULL, activated_by = NULL, activated_at = ? "
+                "WHERE agent = ?",
+                (time.time(), agent),
+            )
+        log.warning("agent %s: deactivated version %d (the base model serves it)", agent, active)
+        return self.agent(agent)
 
     def pin(self, agent: str) -> AgentInfo:
         """Freeze training of `agent` (idempotent): `publish` refuses until `unpin`.

@@ -12,7 +12,8 @@ the gateway's event loop never waits on disk.
 Schema (version `SCHEMA_VERSION`, recorded in table `schema_version`):
 
     completions(id PK, agent, adapter_version, kind, request JSON,
-                prompt_token_ids BLOB, created_at, timings JSON, api_key_agent)
+                prompt_token_ids BLOB, created_at, timings JSON, api_key_agent,
+                conversation_id [v2: indexed], logprobs_mode, version_attribution [v2])
     samples(completion_id -> completions.id, idx, text, completion_token_ids BLOB,
             logprobs BLOB, token_versions BLOB, finish_reason, tool_calls JSON)
 
@@ -20,6 +21,11 @@ Token ids and adapter versions are stored as little-endian int32 arrays, and
 log-probabilities as little-endian float64 arrays (8 bytes per token, so the
 floats round-trip bit for bit); this is ~4-6x smaller than JSON text and decodes
 with one `array.frombytes` call.
+
+Migrations run on open, in one transaction: v1 -> v2 adds the indexed column
+`conversation_id` (the request's `metadata.conversation_id` if a string),
+backfilled from the stored request JSON. Other stores read this one only
+through its methods (`exists`, `get_many`, `by_conversation`).
 
 Deliberately not here: rewards and feedback (joined later by the ingest side),
 training batches, retention or deletion policies.
@@ -34,7 +40,7 @@ import sqlite3
 import sys
 import threading
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,8 +50,9 @@ from typing import Any, Literal, TypeVar
 
 from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
 from clora_feedback.lifecycle import AsyncLifecycle
+from clora_feedback.store.sql import in_chunks
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _T = TypeVar("_T")
 
 _SCHEMA = """
@@ -59,7 +66,10 @@ CREATE TABLE IF NOT EXISTS completions (
     prompt_token_ids BLOB NOT NULL,
     created_at REAL NOT NULL,
     timings TEXT NOT NULL,
-    api_key_agent TEXT
+    api_key_agent TEXT,
+    conversation_id TEXT,
+    logprobs_mode TEXT NOT NULL DEFAULT 'raw',
+    version_attribution TEXT NOT NULL DEFAULT 'token'
 );
 CREATE INDEX IF NOT EXISTS completions_by_time ON completions (created_at);
 CREATE INDEX IF NOT EXISTS completions_by_agent_time ON completions (agent, created_at);
@@ -76,9 +86,22 @@ CREATE TABLE IF NOT EXISTS samples (
 ) WITHOUT ROWID;
 """
 
+_CONVERSATION_INDEX = (
+    "CREATE INDEX IF NOT EXISTS completions_by_conversation "
+    "ON completions (conversation_id, created_at)"
+)
+# v1 -> v2. A non-string id never matched a feedback event (they carry strings): NULL.
+_MIGRATE_V1 = (
+    "ALTER TABLE completions ADD COLUMN conversation_id TEXT",
+    "ALTER TABLE completions ADD COLUMN logprobs_mode TEXT NOT NULL DEFAULT 'raw'",
+    "ALTER TABLE completions ADD COLUMN version_attribution TEXT NOT NULL DEFAULT 'token'",
+    "UPDATE completions SET conversation_id = json_extract(request, '$.metadata.conversation_id') "
+    "WHERE json_type(request, '$.metadata.conversation_id') = 'text'",
+)
+
 _COMPLETION_COLUMNS = (
     "id, agent, adapter_version, kind, request, prompt_token_ids, "
-    "created_at, timings, api_key_agent"
+    "created_at, timings, api_key_agent, logprobs_mode, version_attribution"
 )
 _SAMPLE_COLUMNS = (
     "completion_id, idx, text, completion_token_ids, logprobs, token_versions, "
@@ -139,37 +162,36 @@ class TrajectoryRecord:
     """Latencies in seconds: `queue_s`, `ttft_s`, `total_s` (others allowed)."""
     api_key_agent: str | None = None
     """Agent that owns the API key used, when authentication is on; None otherwise."""
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    """How the engine computed the samples' `logprobs` (`EngineCapabilities.logprobs`): "raw" =
+    log-softmax of the raw logits (the temperature-1 policy the trainer evaluates); "processed"
+    = of the distribution sampled from (after temperature/top-p)."""
+    version_attribution: Literal["token", "request"] = "token"
+    """`token`: each `token_versions` entry is the version that produced that token; `request`:
+    the engine attributes one version per request (the admitted one), repeated per token."""
 
     def __post_init__(self) -> None:
         indices = [s.index for s in self.samples]
         if len(set(indices)) != len(indices):
             raise ValueError(f"trajectory {self.id}: duplicate sample indices {indices}")
 
+    @property
+    def conversation_id(self) -> str | None:
+        """The request's `metadata.conversation_id` (a string), which feedback may name."""
+        metadata = self.request.get("metadata")
+        value = metadata.get("conversation_id") if isinstance(metadata, dict) else None
+        return value if isinstance(value, str) else None
 
-def _pack_ints(values: builtins.list[int]) -> bytes:
-    packed = array("i", values)
-    if sys.byteorder == "big":
+
+def _pack(values: builtins.list[int] | builtins.list[float], code: Literal["i", "d"]) -> bytes:
+    packed = array(code, values)
+    if sys.byteorder == "big":  # stored little-endian on every machine
         packed.byteswap()
     return packed.tobytes()
 
 
-def _unpack_ints(blob: bytes) -> builtins.list[int]:
-    unpacked = array("i")
-    unpacked.frombytes(blob)
-    if sys.byteorder == "big":
-        unpacked.byteswap()
-    return unpacked.tolist()
-
-
-def _pack_floats(values: builtins.list[float]) -> bytes:
-    packed = array("d", values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def _unpack_floats(blob: bytes) -> builtins.list[float]:
-    unpacked = array("d")
+def _unpack(blob: bytes, code: Literal["i", "d"]) -> builtins.list[Any]:
+    unpacked = array(code)
     unpacked.frombytes(blob)
     if sys.byteorder == "big":
         unpacked.byteswap()
@@ -232,6 +254,12 @@ class TrajectoryStore:
                     f"{self.path}: schema version {row[0]} is newer than this code "
                     f"({SCHEMA_VERSION}); upgrade clora-feedback"
                 )
+            elif row[0] < 2:
+                for statement in _MIGRATE_V1:
+                    conn.execute(statement)
+                conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+            # After the migration: on a v1 file the column exists only now.
+            conn.execute(_CONVERSATION_INDEX)
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -261,19 +289,22 @@ class TrajectoryStore:
             t.adapter_version,
             t.kind,
             _dumps(t.request),
-            _pack_ints(t.prompt_token_ids),
+            _pack(t.prompt_token_ids, "i"),
             t.created_at,
             _dumps(t.timings),
             t.api_key_agent,
+            t.logprobs_mode,
+            t.version_attribution,
+            t.conversation_id,
         )
         sample_rows = [
             (
                 t.id,
                 s.index,
                 s.text,
-                _pack_ints(s.completion_token_ids),
-                _pack_floats(s.logprobs),
-                _pack_ints(s.token_versions),
+                _pack(s.completion_token_ids, "i"),
+                _pack(s.logprobs, "d"),
+                _pack(s.token_versions, "i"),
                 s.finish_reason,
                 None if s.tool_calls is None else _dumps(s.tool_calls),
             )
@@ -285,8 +316,8 @@ class TrajectoryStore:
             try:
                 try:
                     conn.execute(
-                        f"INSERT INTO completions ({_COMPLETION_COLUMNS}) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        f"INSERT INTO completions ({_COMPLETION_COLUMNS}, conversation_id) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         completion_row,
                     )
                 except sqlite3.IntegrityError as exc:
@@ -349,19 +380,68 @@ class TrajectoryStore:
         )
         with self._lock, self._translate("list"):
             rows = self._conn.execute(query, (*params, limit)).fetchall()
-            by_id: dict[str, builtins.list[SampleRecord]] = {r[0]: [] for r in rows}
-            ids = builtins.list(by_id)
-            # Chunked IN (...) keeps under SQLite's bound-parameter limit for any `limit`.
-            for start in range(0, len(ids), 500):
-                chunk = ids[start : start + 500]
-                marks = ",".join("?" * len(chunk))
-                for s in self._conn.execute(
-                    f"SELECT {_SAMPLE_COLUMNS} FROM samples WHERE completion_id IN ({marks}) "
-                    "ORDER BY completion_id, idx",
-                    chunk,
-                ):
-                    by_id[s[0]].append(_to_sample(s))
+            by_id = self._samples_of([r[0] for r in rows])
         return [_to_record(r, by_id[r[0]]) for r in rows]
+
+    def exists(self, ids: Iterable[str]) -> set[str]:
+        """The subset of `ids` that are stored.
+
+        Raises:
+            StoreError: SQLite failed.
+        """
+        found: set[str] = set()
+        with self._lock, self._translate("exists"):
+            for chunk, marks in in_chunks(ids):
+                query = f"SELECT id FROM completions WHERE id IN ({marks})"
+                found.update(r[0] for r in self._conn.execute(query, chunk))
+        return found
+
+    def get_many(self, ids: Iterable[str]) -> dict[str, TrajectoryRecord]:
+        """The stored trajectories among `ids`, by id (ids not stored are absent).
+
+        A few queries for any number of ids (chunked `IN`), not one per id.
+
+        Raises:
+            StoreError: SQLite failed.
+        """
+        with self._lock, self._translate("get_many"):
+            rows: builtins.list[tuple[Any, ...]] = []
+            for chunk, marks in in_chunks(ids):
+                rows += self._conn.execute(
+                    f"SELECT {_COMPLETION_COLUMNS} FROM completions WHERE id IN ({marks})", chunk
+                ).fetchall()
+            by_id = self._samples_of([r[0] for r in rows])
+        return {r[0]: _to_record(r, by_id[r[0]]) for r in rows}
+
+    def by_conversation(self, conversation_id: str, agent: str | None = None) -> builtins.list[str]:
+        """Ids of the completions recorded under `conversation_id`, oldest first.
+
+        Args:
+            conversation_id: the request's `metadata.conversation_id`.
+            agent: only this agent's completions; None for every agent's.
+
+        Raises:
+            StoreError: SQLite failed.
+        """
+        query = "SELECT id FROM completions WHERE conversation_id = ?"
+        params: tuple[str, ...] = (conversation_id,)
+        if agent is not None:
+            query, params = query + " AND agent = ?", (*params, agent)
+        with self._lock, self._translate("by_conversation"):
+            rows = self._conn.execute(query + " ORDER BY created_at, rowid", params).fetchall()
+        return [r[0] for r in rows]
+
+    def _samples_of(self, ids: builtins.list[str]) -> dict[str, builtins.list[SampleRecord]]:
+        """Samples of each completion in `ids`, in index order (caller holds the lock)."""
+        by_id: dict[str, builtins.list[SampleRecord]] = {i: [] for i in ids}
+        for chunk, marks in in_chunks(ids):
+            for s in self._conn.execute(
+                f"SELECT {_SAMPLE_COLUMNS} FROM samples WHERE completion_id IN ({marks}) "
+                "ORDER BY completion_id, idx",
+                chunk,
+            ):
+                by_id[s[0]].append(_to_sample(s))
+        return by_id
 
     def count(self, agent: str | None = None) -> int:
         """Number of trajectories, for one agent or all.
@@ -410,9 +490,9 @@ def _to_sample(row: tuple[Any, ...]) -> SampleRecord:
     return SampleRecord(
         index=row[1],
         text=row[2],
-        completion_token_ids=_unpack_ints(row[3]),
-        logprobs=_unpack_floats(row[4]),
-        token_versions=_unpack_ints(row[5]),
+        completion_token_ids=_unpack(row[3], "i"),
+        logprobs=_unpack(row[4], "d"),
+        token_versions=_unpack(row[5], "i"),
         finish_reason=row[6],
         tool_calls=None if row[7] is None else json.loads(row[7]),
     )
@@ -425,11 +505,13 @@ def _to_record(row: tuple[Any, ...], samples: builtins.list[SampleRecord]) -> Tr
         adapter_version=row[2],
         kind=row[3],
         request=json.loads(row[4]),
-        prompt_token_ids=_unpack_ints(row[5]),
+        prompt_token_ids=_unpack(row[5], "i"),
         samples=samples,
         created_at=row[6],
         timings=json.loads(row[7]),
         api_key_agent=row[8],
+        logprobs_mode=row[9],
+        version_attribution=row[10],
     )
 
 

@@ -17,9 +17,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clora_feedback.errors import InvalidRequestError
+from clora_feedback.schemas.admin import Activation, VersionStatus
 
 if TYPE_CHECKING:
     import torch
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 
 AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 """Valid agent names: the pattern of `AgentConfig.name`, checked again because names become paths."""
-VersionStatus = Literal["active", "superseded", "rolled_back", "staged"]
-Activation = Literal["publish", "rollback"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,8 @@ class AgentInfo:
     agent: str
     """The agent name."""
     active_version: int | None
-    """The version served and trained from; None until one is activated."""
+    """The version served and trained from; None until one is activated, or after an
+    unload (`deactivate`): then the base model serves the agent and it is not trained."""
     pinned: bool
     """Training is frozen: `publish` refuses new versions while set."""
     num_versions: int
@@ -82,9 +82,14 @@ class AgentInfo:
     """The highest published version number, or None."""
     activated_by: Activation | None
     """How the active version became active: `publish` or `rollback` (the guard judges only
-    published ones)."""
+    published ones); None when none is active."""
     activated_at: float | None
-    """When the active pointer last moved, seconds since the epoch."""
+    """When the active pointer last moved (a deactivation included), seconds since the epoch."""
+
+    @property
+    def deactivated(self) -> bool:
+        """Versions exist but none is active: an unload pointed the agent at the base model."""
+        return self.num_versions > 0 and self.active_version is None
 
 
 class AdapterStore(Protocol):
@@ -105,6 +110,7 @@ class AdapterStore(Protocol):
         metrics: Mapping[str, float],
         feedback_window: Mapping[str, Any] | None,
         activate: bool = True,
+        version: int | None = None,
     ) -> VersionInfo: ...
 
     def register_initial(
@@ -137,6 +143,8 @@ class AdapterStore(Protocol):
     def rollback(
         self, agent: str, version: int, *, reason: str, expected_active: int | None = None
     ) -> VersionInfo: ...
+
+    def deactivate(self, agent: str, *, expected_active: int) -> AgentInfo: ...
 
     def pin(self, agent: str) -> AgentInfo: ...
 

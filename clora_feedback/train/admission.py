@@ -13,9 +13,12 @@ that produced any of its tokens. Samples beyond `max_staleness` are dropped
 a sample many versions old mostly carries information the policy has since
 absorbed. Drops are counted and exported.
 
-Source balance: when several reward kinds are waiting, no kind takes more
-than `max_source_fraction` of a batch (round-robin across kinds), so a burst
-of one signal (e.g. accepted-as-is corrections) cannot crowd out the others.
+Source balance: when several reward sources are waiting, no source takes
+more than `max_source_fraction` of a batch (round-robin across sources), so a
+burst of one signal (e.g. accepted-as-is corrections) cannot crowd out the
+others. A sample's source is the reward policy's (`TrainingSample.source`).
+
+Not here: where samples come from (`samples`), rewards (`feedback.rewards`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from clora_feedback.config import AdmissionConfig
-from clora_feedback.feedback.store import TrainingSample
+from clora_feedback.train.samples import TrainingSample
 
 
 @dataclass
@@ -40,10 +43,6 @@ class AdmissionStats:
 def sample_staleness(sample: TrainingSample, active_version: int) -> int:
     oldest = min(sample.token_versions) if sample.token_versions else sample.adapter_version
     return max(0, active_version - oldest)
-
-
-def _kind(sample: TrainingSample) -> str:
-    return sample.rewards[-1][1] if sample.rewards else "unknown"
 
 
 class Admission:
@@ -98,7 +97,7 @@ class Admission:
     ) -> list[tuple[TrainingSample, int]]:
         by_kind: dict[str, deque[tuple[TrainingSample, int]]] = defaultdict(deque)
         for item in fresh:
-            by_kind[_kind(item[0])].append(item)
+            by_kind[item[0].source].append(item)
         if len(by_kind) == 1:
             return fresh[:size]
         cap = max(1, int(self.config.max_source_fraction * size))

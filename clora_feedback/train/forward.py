@@ -1,7 +1,8 @@
 """Differentiable forward pass for training: base weights frozen, LoRA rows per agent.
 
-The trainer reuses the serving engine's base weights in place (no second copy
-of the model). Several agents can share one forward/backward: row b uses agent
+The layers are `clora_feedback.model.decoder`'s, over a `BaseWeights` that the
+composition root may share with the serving engine (no second copy of the
+model) or load on its own (see `policy`). Several agents can share one forward/backward: row b uses agent
 `row_agent[b]`'s parameters, and each agent's gradient lands in its own flat
 buffer. The base projection runs once over all rows; each agent's LoRA update
 runs over its own run of consecutive rows as two plain matmuls
@@ -22,9 +23,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from clora_feedback.engine.model import GROUPS, LoRAModel, _rms_norm
-from clora_feedback.lora.ops import LoRABatch
+from clora_feedback.lora.weights import module_key
+from clora_feedback.model.base import GROUPS, BaseWeights
+from clora_feedback.model.decoder import (
+    LoRAUpdate,
+    attention_inputs,
+    attention_output,
+    final_norm,
+    gather_logprobs,
+    mlp_block,
+)
 from clora_feedback.train.state import LoRALayout
+
+_MEMBERS = dict(GROUPS)
 
 
 @dataclass(frozen=True)
@@ -119,32 +130,27 @@ class TrainLoRA:
         return torch.cat(filled) if len(filled) > 1 else filled[0]
 
 
-def _proj(
-    model: LoRAModel,
-    x: torch.Tensor,
-    layer: int,
-    group: str,
-    lora: TrainLoRA | None,
-    runs: list[tuple[int, int, int]],
-) -> torch.Tensor:
-    base = LoRABatch.from_slots([0] * x.shape[0], x.device)  # slot 0: base weights only
-    y = model._proj(x, layer, group, base)
-    if lora is None:
-        return y
-    shapes = model.config.projection_shapes()
-    parts = []
-    any_delta = False
-    for name in dict(GROUPS)[group]:
-        key = f"layers.{layer}.{'self_attn' if group in ('qkv', 'o') else 'mlp'}.{name}"
-        delta = lora.delta(key, x, runs)
-        if delta is None:
-            parts.append(x.new_zeros(*x.shape[:-1], shapes[name][1]))
-        else:
-            parts.append(delta)
-            any_delta = True
-    if not any_delta:
-        return y
-    return y + (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
+@dataclass(frozen=True)
+class _RunsLoRA:
+    """`TrainLoRA` bound to the row runs of one stream (a `LoRAUpdate` for the decoder)."""
+
+    lora: TrainLoRA
+    runs: list[tuple[int, int, int]]
+    shapes: dict[str, tuple[int, int]]
+
+    def delta(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor | None:
+        parts: list[torch.Tensor] = []
+        any_delta = False
+        for name in _MEMBERS[group]:
+            delta = self.lora.delta(module_key(layer, name), x, self.runs)
+            if delta is None:
+                parts.append(x.new_zeros(*x.shape[:-1], self.shapes[name][1]))
+            else:
+                parts.append(delta)
+                any_delta = True
+        if not any_delta:
+            return None
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
 MIN_SHARED_PREFIX = 16
@@ -170,7 +176,7 @@ def shared_prefix_len(batch: PackedBatch) -> int:
     return length if length >= MIN_SHARED_PREFIX else 0
 
 
-def token_logprobs(model: LoRAModel, batch: PackedBatch, lora: TrainLoRA | None) -> torch.Tensor:
+def token_logprobs(base: BaseWeights, batch: PackedBatch, lora: TrainLoRA | None) -> torch.Tensor:
     """Log-probabilities of the scored next tokens.
 
     When all rows share a prompt prefix (`shared_prefix_len`), it is computed
@@ -180,25 +186,25 @@ def token_logprobs(model: LoRAModel, batch: PackedBatch, lora: TrainLoRA | None)
     contributions through the shared tensors), for a fraction of the compute.
 
     Args:
-        model: the engine's model (base weights are read, never written).
+        base: the frozen base weights (read, never written).
         batch: packed sequences.
         lora: trainable adapters, or None for the base model (reference policy).
 
     Returns:
         [N] fp32 logprobs of `batch.targets[batch.mask]`, in row-major order.
     """
-    c = model.config
-    ids = batch.input_ids.to(model.device)
+    ids = batch.input_ids.to(base.device)
     b, t = ids.shape
     runs = lora.runs if lora is not None else [(0, 0, b)]
     prefix = shared_prefix_len(batch)
     # One prefix row per agent run; row r of the batch reads prefix row `owner[r]`.
     prefix_runs = [(agent, i, i + 1) for i, (agent, _, _) in enumerate(runs)]
+    rows_lora, prefix_lora = _bind(base, lora, runs), _bind(base, lora, prefix_runs)
     owner = torch.tensor(
         [i for i, (_, start, end) in enumerate(runs) for _ in range(start, end)], device=ids.device
     )
-    h_p = model.embed[ids[:1, :prefix]].expand(len(runs), prefix, -1)
-    h = model.embed[ids[:, prefix:]]
+    h_p = base.embed[ids[:1, :prefix]].expand(len(runs), prefix, -1)
+    h = base.embed[ids[:, prefix:]]
     pos_p = torch.arange(prefix, device=ids.device).unsqueeze(0).expand(len(runs), prefix)
     pos = torch.arange(prefix, t, device=ids.device).unsqueeze(0).expand(b, t - prefix)
     allowed: torch.Tensor | None = None
@@ -207,43 +213,32 @@ def token_logprobs(model: LoRAModel, batch: PackedBatch, lora: TrainLoRA | None)
         # is never seen by a real token).
         allowed = torch.ones(t - prefix, t, dtype=torch.bool, device=ids.device)
         allowed[:, prefix:] = torch.ones(t - prefix, t - prefix, dtype=torch.bool).tril()
-    for i, layer in enumerate(model.layers):
-        x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-        q, k, v = model._split_qkv(_proj(model, x, i, "qkv", lora, runs), pos)
+    for i in range(base.config.num_layers):
+        q, k, v = attention_inputs(base, i, h, pos, rows_lora)
         if allowed is not None:
-            x_p = _rms_norm(h_p, layer["in_norm"], c.rms_norm_eps)
-            q_p, k_p, v_p = model._split_qkv(_proj(model, x_p, i, "qkv", lora, prefix_runs), pos_p)
+            q_p, k_p, v_p = attention_inputs(base, i, h_p, pos_p, prefix_lora)
             attn_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
             keys = torch.cat([k_p.index_select(0, owner), k], dim=2)
             values = torch.cat([v_p.index_select(0, owner), v], dim=2)
             attn = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=allowed, enable_gqa=True
             )
-            o_p = attn_p.transpose(1, 2).reshape(len(runs), prefix, -1)
-            h_p = h_p + _proj(model, o_p, i, "o", lora, prefix_runs)
-            x_p = _rms_norm(h_p, layer["post_norm"], c.rms_norm_eps)
-            gate_p, up_p = _proj(model, x_p, i, "gate_up", lora, prefix_runs).chunk(2, dim=-1)
-            h_p = h_p + _proj(model, F.silu(gate_p) * up_p, i, "down", lora, prefix_runs)
+            h_p = mlp_block(
+                base, i, attention_output(base, i, h_p, attn_p, prefix_lora), prefix_lora
+            )
         else:
             # Right padding: real tokens never attend to later (padding) positions when causal.
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        h = h + _proj(model, attn.transpose(1, 2).reshape(b, t - prefix, -1), i, "o", lora, runs)
-        x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-        gate, up = _proj(model, x, i, "gate_up", lora, runs).chunk(2, dim=-1)
-        h = h + _proj(model, F.silu(gate) * up, i, "down", lora, runs)
-    mask = batch.mask[:, prefix:].to(model.device)
-    scored = _rms_norm(h[mask], model.final_norm, c.rms_norm_eps)  # [N, hidden]
-    targets = batch.targets[:, prefix:].to(model.device)[mask]
-    return _gather_logprobs(scored, model.lm_head, targets)
+        h = mlp_block(base, i, attention_output(base, i, h, attn, rows_lora), rows_lora)
+    mask = batch.mask[:, prefix:].to(base.device)
+    scored = final_norm(base, h[mask])  # [N, hidden]
+    targets = batch.targets[:, prefix:].to(base.device)[mask]
+    return gather_logprobs(scored, base.lm_head, targets)
 
 
-def _gather_logprobs(
-    hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, chunk: int = 512
-) -> torch.Tensor:
-    """log_softmax(hidden @ lm_head.T)[targets], in chunks to bound the [N, V] logits memory."""
-    out = []
-    for start in range(0, hidden.shape[0], chunk):
-        logits = (hidden[start : start + chunk] @ lm_head.t()).float()
-        lp = torch.log_softmax(logits, dim=-1)
-        out.append(lp.gather(1, targets[start : start + chunk].unsqueeze(1)).squeeze(1))
-    return torch.cat(out) if out else hidden.new_zeros(0)
+def _bind(
+    base: BaseWeights, lora: TrainLoRA | None, runs: list[tuple[int, int, int]]
+) -> LoRAUpdate | None:
+    if lora is None:
+        return None
+    return _RunsLoRA(lora, runs, base.config.projection_shapes())

@@ -18,8 +18,19 @@ operator (or the guard itself) activated by rollback is left alone, so the
 guard never fights an operator and never rolls back twice. It acts on pinned
 agents too: pinning freezes training, not protection.
 
+Rewards compared are made under one reward policy: the reward source computes
+both the parent's and the child's rewards from stored facts under the CURRENT
+policy, at read time, so they are comparable by construction. A version's
+manifest names the policy it was trained under (`feedback_window
+["reward_policy"]`); when that differs from the current one (`reward_policy`),
+the comparison still runs under the current policy, and the decision's reason
+and the log say so: a mapping change alone never looks like a regression.
+
 Not here: where the rewards come from (a callable the feedback store supplies),
-installing weights in the engine (the `on_rollback` callback does that).
+installing weights in the engine: with a deployer, the guard's rollback is
+`Deployer.activate` (the engine loads the parent first, then the pointer moves
+with a compare-and-set, the one order of every move); without one, the guard
+moves only the pointer and a deployer following the registry brings its engine.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import math
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from clora_feedback.config import GuardConfig
 from clora_feedback.errors import CloraError, ConflictError
@@ -40,6 +52,14 @@ log = logging.getLogger(__name__)
 
 RewardSource = Callable[[str, int], Sequence[float]]
 """(agent, version) -> rewards of live traffic served by that version (one per sample)."""
+
+
+class Rollbacks(Protocol):
+    """What rolls back for the guard: `clora_feedback.engine.deployer.Deployer`."""
+
+    async def activate(
+        self, agent: str, version: int, *, expected_active: int | None, reason: str
+    ) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -151,8 +171,11 @@ class RegressionGuard(BackgroundTask):
         rewards: (agent, version) -> live rewards of that version.
         config: margin, confidence, minimum samples, interval.
         on_rollback: awaited after an automatic rollback with (agent, version now
-            active), e.g. to install that version in the engine; used by the
-            background loop (`start`), not by `check`.
+            active), e.g. to notify; used by the background loop (`start`), not by `check`.
+        deployer: rolls back for the background loop (engine first, then the pointer);
+            None: the loop moves the pointer alone, as `check` does.
+        reward_policy: id of the current reward policy (the one `rewards` judges
+            by), to name a version trained under another one in the reason.
     """
 
     def __init__(
@@ -162,11 +185,15 @@ class RegressionGuard(BackgroundTask):
         config: GuardConfig | None = None,
         *,
         on_rollback: Callable[[str, int], Awaitable[None]] | None = None,
+        deployer: Rollbacks | None = None,
+        reward_policy: str | None = None,
     ) -> None:
         self.registry = registry
         self.rewards = rewards
         self.config = config or GuardConfig()
         self.on_rollback = on_rollback
+        self.deployer = deployer
+        self.reward_policy = reward_policy
 
     def evaluate(self, agent: str) -> GuardDecision:
         """Judge `agent`'s active version; changes nothing.
@@ -197,6 +224,7 @@ class RegressionGuard(BackgroundTask):
                 **counts,
             )
         t, df, p = welch_one_sided(old, new, cfg.margin)
+        policy_note = self._policy_note(agent, version, parent)
         mean_new, mean_old = statistics.fmean(new), statistics.fmean(old)
         alpha = 1.0 - cfg.confidence
         rollback = p < alpha
@@ -206,7 +234,7 @@ class RegressionGuard(BackgroundTask):
             f"{verdict}: v{version} mean reward {mean_new:.4f} (n={len(new)}) vs parent "
             f"v{parent} {mean_old:.4f} (n={len(old)}), drop {mean_old - mean_new:.4f}, "
             f"margin {cfg.margin}; one-sided Welch {t_text}p={p:.3g} "
-            f"{'<' if rollback else '>='} {alpha:.3g}"
+            f"{'<' if rollback else '>='} {alpha:.3g}{policy_note}"
         )
         return GuardDecision(
             agent,
@@ -219,6 +247,26 @@ class RegressionGuard(BackgroundTask):
             p_value=p,
             **counts,
         )
+
+    def _policy_note(self, agent: str, version: int, parent: int) -> str:
+        """Words for the reason when a manifest names another reward policy than the current one."""
+        if self.reward_policy is None:
+            return ""
+        trained: dict[int, object] = {}
+        for v in (version, parent):
+            window = self.registry.get(agent, v).feedback_window or {}
+            trained[v] = window.get("reward_policy")
+        other = {
+            v: pid for v, pid in trained.items() if pid is not None and pid != self.reward_policy
+        }
+        if not other:
+            return ""
+        named = ", ".join(f"v{v} under {pid}" for v, pid in sorted(other.items()))
+        log.info(
+            "regression guard: %s: %s trained; both judged under %s",
+            agent, named, self.reward_policy,
+        )  # fmt: skip
+        return f"; {named} trained, both judged under current reward policy {self.reward_policy}"
 
     def check(self, agent: str) -> GuardDecision:
         """Evaluate `agent` and, on a regression, roll it back to the parent with the reason.
@@ -245,12 +293,33 @@ class RegressionGuard(BackgroundTask):
 
     # -- background loop ------------------------------------------------------------
 
+    async def _check_async(self, agent: str) -> GuardDecision:
+        """`check`, with the rollback made by the deployer when there is one."""
+        if self.deployer is None:
+            return await asyncio.to_thread(self.check, agent)
+        decision = await asyncio.to_thread(self.evaluate, agent)
+        if not decision.rollback:
+            return decision
+        assert decision.version is not None and decision.parent is not None
+        try:
+            await self.deployer.activate(
+                agent,
+                decision.parent,
+                expected_active=decision.version,
+                reason=f"regression guard: {decision.reason}",
+            )
+        except ConflictError as exc:
+            return GuardDecision(
+                agent, False, f"not rolled back: {exc.message}", decision.version, decision.parent
+            )
+        return decision
+
     async def check_all(self) -> list[GuardDecision]:
         """Check every agent once (off the event loop); awaits `on_rollback` after each rollback."""
         decisions: list[GuardDecision] = []
         for info in await asyncio.to_thread(self.registry.agents):
             try:
-                decision = await asyncio.to_thread(self.check, info.agent)
+                decision = await self._check_async(info.agent)
                 if decision.rollback and self.on_rollback is not None:
                     assert decision.parent is not None
                     await self.on_rollback(info.agent, decision.parent)

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clora_feedback.engine.model import LoRAModel
-from clora_feedback.train.forward import PackedBatch, TrainLoRA, token_logprobs
+from clora_feedback.train.forward import PackedBatch, TrainLoRA
 from clora_feedback.train.loss import (
     LossConfig,
     advantages,
@@ -29,6 +28,7 @@ from clora_feedback.train.loss import (
     kl_to_reference,
     sft_loss,
 )
+from clora_feedback.train.policy import PolicyModel
 from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot, adam_step
 
 
@@ -113,7 +113,7 @@ def _rows(batches: list[AgentBatch]) -> tuple[list[tuple[list[int], list[int]]],
 
 
 def train_step(
-    model: LoRAModel,
+    model: PolicyModel,
     slots: list[TrainingSlot],
     batches: list[AgentBatch],
     loss_cfg: LossConfig,
@@ -129,13 +129,13 @@ def train_step(
     lora = TrainLoRA(
         [b.state.layout for b in batches], leaves, torch.tensor(owner, device=model.device)
     )
-    logp = token_logprobs(model, packed, lora)
+    logp = model.token_logprobs(packed, lora)
     counts = packed.mask.sum(dim=1).tolist()
     per_row = list(torch.split(logp, counts))
     ref_rows: list[torch.Tensor] = []
     if loss_cfg.kl_coef > 0:
         with torch.no_grad():
-            ref_rows = list(torch.split(token_logprobs(model, packed, None), counts))
+            ref_rows = list(torch.split(model.token_logprobs(packed, None), counts))
 
     total = logp.new_zeros(())
     stats: list[dict[str, float]] = []

@@ -2,27 +2,36 @@
 
 Each round (`run_round`), per agent in fair rotation:
 
-1. pull newly rewarded samples from the feedback store (a durable cursor: the
+1. pull newly rewarded samples from the `SampleSource` (a durable cursor: the
    highest reward sequence number already trained on, kept in each version's
-   feedback window, so a restart resumes without losing or repeating samples);
+   feedback window with the id of the reward policy the rewards came from, so
+   a restart resumes without losing or repeating samples);
 2. admit a mini-batch early (see `admission`) or, after `trigger_interval_s`
    with anything waiting, whatever is there;
 3. swap the agent's state in, step, swap out (see `step`); with
    `batched_agents > 1`, up to that many ready agents share one pass;
-4. publish: the engine takes the new weights first, straight from memory,
-   under a version number the registry reserved (staged into its spare slot
-   off the decode loop, served from the next decode step); then the registry
-   writes the immutable version (PEFT files, optimizer state, manifest last)
-   and moves the active pointer.
+4. publish: the new weights go to the deployer first (`PublishHandoff`),
+   straight from memory, under a version number the registry reserved (staged
+   into the engine's spare slot off the decode loop, served from the next
+   decode step); then the registry writes the immutable version (PEFT files,
+   optimizer state, manifest last) and moves the active pointer.
 
 Training is background work: rounds run on the trainer's own thread at a
 lower scheduling priority (`TrainerConfig.nice`, Linux), so decode steps of
 every agent win the cores whenever both want them.
 
-Pinned agents are skipped (their samples wait). A rollback (`activate`) puts
-version k's weights in the engine and makes the next step start from k's
-weights and optimizer state; a step that raced with it is discarded, because
-the registry refuses to publish a version whose parent is no longer active.
+The trainer never installs a version and never rolls back: rollbacks (the
+operator's, the guard's) move the registry's pointer through the deployer.
+The trainer follows the pointer: each round it compares every run's version
+with the agent's active one, and a moved pointer makes the next step start
+from the active version's weights and optimizer state; a step that raced with
+it is discarded, because the registry refuses to publish a version whose
+parent is no longer active.
+
+Who trains: pinned agents are skipped (their samples wait). An agent whose
+adapter was unloaded (it has versions but no active one) is not trained until
+a load or a rollback activates a version again: otherwise its next publish
+would bring the unloaded adapter back.
 
 Not here: the math of a step (`step`), the HTTP routes, the guard's statistics.
 """
@@ -35,20 +44,23 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from clora_feedback.config import TrainerConfig
-from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.engine.types import AdapterRef
 from clora_feedback.errors import ConflictError, NotFoundError
-from clora_feedback.feedback.store import FeedbackStore, TrainingSample
 from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.priority import lower_thread_priority
-from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.versions import AdapterStore
 from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
+from clora_feedback.train.policy import PolicyModel
+from clora_feedback.train.samples import SampleSource, TrainingSample
 from clora_feedback.train.state import (
     AdamConfig,
     AgentTrainState,
@@ -59,6 +71,14 @@ from clora_feedback.train.state import (
 from clora_feedback.train.step import AgentBatch, PGSample, SFTSample, StepResult, train_step
 
 log = logging.getLogger(__name__)
+
+
+class PublishHandoff(Protocol):
+    """Where a co-located trainer hands a new version's weights (`engine.deployer.Deployer`)."""
+
+    def handoff(self, ref: AdapterRef) -> AbstractContextManager[None]:
+        """Serve `ref` from memory while the block moves the pointer; undone if it raises."""
+        ...
 
 
 @dataclass
@@ -74,15 +94,17 @@ class ContinualTrainer(BackgroundTask):
 
     def __init__(
         self,
-        engine: EmbeddedEngine,
-        feedback: FeedbackStore,
-        registry: AdapterRegistry,
+        policy: PolicyModel,
+        feedback: SampleSource,
+        registry: AdapterStore,
         config: TrainerConfig,
         *,
+        deployer: PublishHandoff | None = None,
         agents: Callable[[], Iterable[str]] | None = None,
         base_model: str | None = None,
     ):
-        self.engine = engine
+        self.policy = policy
+        self.deployer = deployer  # None: a deployer elsewhere follows the registry
         self.feedback = feedback
         self.registry = registry
         self.config = config
@@ -97,7 +119,7 @@ class ContinualTrainer(BackgroundTask):
             lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm
         )
         self._agents = agents or feedback.agents_with_rewards
-        self._base_model = base_model or engine.model_name
+        self._base_model = base_model or policy.model_name
         self._runs: dict[str, _AgentRun] = {}
         self._slots: list[TrainingSlot] = []
         self._lock = threading.RLock()  # one round or activation at a time
@@ -148,8 +170,13 @@ class ContinualTrainer(BackgroundTask):
         return run
 
     def _load(self, agent: str) -> _AgentRun:
-        """Training state of `agent`: its active registry version, else its live adapter, else fresh."""
-        limits = self.engine.lora_limits
+        """Training state of `agent`: its active registry version, else a fresh adapter.
+
+        Every adapter the engine serves is a registry version (start-up imports,
+        runtime loads and publishes all go through the registry), so the
+        registry is the only place to read weights from.
+        """
+        limits = self.policy.lora_limits
         targets = tuple(limits.target_modules)
         optimizer_state = None
         version = 0
@@ -161,10 +188,6 @@ class ContinualTrainer(BackgroundTask):
         if info is not None:
             weights, optimizer_state = self.registry.load(agent, info.version, limits=limits)
             version = info.version
-        else:
-            live = self.engine.adapter_weights(agent)
-            if live is not None:
-                version, weights = live
         if weights is not None:
             layout = LoRALayout.build(limits, weights.rank, weights.alpha, targets)
             params = layout.from_weights(weights)
@@ -192,7 +215,7 @@ class ContinualTrainer(BackgroundTask):
         need = max(s.layout.numel for s in states)
         if not self._slots or self._slots[0].capacity < need or len(self._slots) < len(states):
             count = max(len(states), len(self._slots))
-            self._slots = [TrainingSlot(need, self.engine.device) for _ in range(count)]
+            self._slots = [TrainingSlot(need, self.policy.device) for _ in range(count)]
         return self._slots[: len(states)]
 
     # -- one round ------------------------------------------------------------------------
@@ -200,7 +223,7 @@ class ContinualTrainer(BackgroundTask):
     def run_round(self) -> list[StepResult]:
         """Pull rewards, admit, step and publish every ready agent once (blocking)."""
         with self._lock:
-            agents = [a for a in self._agents() if not self.registry.is_pinned(a)]
+            agents = [a for a in self._agents() if self._trainable(a)]
             if not agents:
                 return []
             self._turn = (self._turn + 1) % len(agents)
@@ -216,6 +239,23 @@ class ContinualTrainer(BackgroundTask):
                 results += self._step(ready[i : i + k])
             return results
 
+    def _trainable(self, agent: str) -> bool:
+        """Whether `agent` trains this round; drops a run whose version is no longer active.
+
+        Pinned agents wait. An unloaded agent (versions exist, none active) is not
+        trained until a load or a rollback activates a version again, so an unload
+        sticks. A rollback (by an operator or the guard) moved the pointer away from
+        the run's version: the run is dropped and reloaded from the active version.
+        """
+        try:
+            info = self.registry.agent(agent)
+        except NotFoundError:
+            return True  # never published: trained from a fresh adapter
+        run = self._runs.get(agent)
+        if run is not None and run.state.version != (info.active_version or 0):
+            self._runs.pop(agent)
+        return not info.pinned and not info.deactivated
+
     def _admit(self, agent: str) -> list[tuple[TrainingSample, int]]:
         run = self._run_for(agent)
         new = self.feedback.training_samples(agent, after_seq=run.pulled_seq)
@@ -228,7 +268,7 @@ class ContinualTrainer(BackgroundTask):
     def _agent_batch(
         self, state: AgentTrainState, admitted: list[tuple[TrainingSample, int]]
     ) -> AgentBatch:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.policy.tokenizer
         eos = tokenizer.eos_token_id
         batch = AgentBatch(state)
         for sample, staleness in admitted:
@@ -245,7 +285,7 @@ class ContinualTrainer(BackgroundTask):
                 )
             for target in sample.targets:
                 ids = list(tokenizer.encode(target, add_special_tokens=False))
-                budget = self.engine.max_model_len - len(sample.prompt_token_ids) - 1
+                budget = self.policy.max_model_len - len(sample.prompt_token_ids) - 1
                 if budget > 0:
                     batch.sft.append(
                         SFTSample(
@@ -262,7 +302,7 @@ class ContinualTrainer(BackgroundTask):
             for run, (_, admitted) in zip(runs, group, strict=True)
         ]
         slots = self._slots_for([b.state for b in batches])
-        results = train_step(self.engine.model, slots, batches, self._loss, self._adam)
+        results = train_step(self.policy, slots, batches, self._loss, self._adam)
         published = []
         for run, (agent, admitted), result in zip(runs, group, results, strict=True):
             window = {
@@ -270,6 +310,7 @@ class ContinualTrainer(BackgroundTask):
                 "to_seq": max(s.last_seq for s, _ in admitted),
                 "samples": len(admitted),
                 "completion_ids": sorted({s.completion_id for s, _ in admitted})[:1000],
+                "reward_policy": self.feedback.reward_policy_id,
             }
             if self._publish(agent, run, result, window):
                 published.append(result)
@@ -279,14 +320,17 @@ class ContinualTrainer(BackgroundTask):
     def _publish(
         self, agent: str, run: _AgentRun, result: StepResult, window: dict[str, object]
     ) -> bool:
-        """Serve the new weights at once under a reserved version, then make that version durable.
+        """Hand the new weights to the deployer under a reserved version, then publish it.
 
-        The engine takes the weights from memory (no disk round trip) under a version
-        number the registry has reserved; the immutable directory and the active
-        pointer follow. If the registry refuses (pinned or rolled back meanwhile), the
-        engine goes back to what it served before and the step is void. A crash in
-        between loses only the not-yet-durable version: on restart the last complete
-        one is active and its samples are trained again.
+        The trainer installs nothing itself: the deployer's hand-off serves the
+        weights from memory (no disk round trip) under a version number the registry
+        has reserved, while the registry writes the immutable directory and moves
+        the active pointer (parent compare-and-set). If the registry refuses (pinned
+        or rolled back meanwhile), the deployer brings the engine back to the
+        pointer and the step is void. A crash in between loses only the
+        not-yet-durable version: on restart the last complete one is active and its
+        samples are trained again. Without a deployer here, one in another process
+        follows the pointer.
         """
         state = run.state
         try:
@@ -305,23 +349,23 @@ class ContinualTrainer(BackgroundTask):
         # Built in the engine's own layout and checked above; the engine keeps this copy.
         weights = state.layout.to_weights(state.params)
         version = self.registry.next_version(agent)
-        previous = self.engine.adapter_weights(agent)
-        self.engine.set_adapter(agent, version, weights, checked=True, owned=True)
-        served = time.perf_counter()
+        ref = AdapterRef(agent, version, None, weights)
+        handoff = nullcontext() if self.deployer is None else self.deployer.handoff(ref)
         try:
-            self.registry.publish(
-                agent,
-                weights,
-                optimizer_state=state.optimizer_state(),
-                base_model=self._base_model,
-                parent=state.version or None,
-                step=state.step,
-                metrics=result.metrics(),
-                feedback_window=window,
-                version=version,
-            )
+            with handoff:  # served from the next decode step; undone if the registry refuses
+                served = time.perf_counter()
+                self.registry.publish(
+                    agent,
+                    weights,
+                    optimizer_state=state.optimizer_state(),
+                    base_model=self._base_model,
+                    parent=state.version or None,
+                    step=state.step,
+                    metrics=result.metrics(),
+                    feedback_window=window,
+                    version=version,
+                )
         except Exception as exc:
-            self._restore(agent, previous)
             self._runs.pop(agent, None)
             if isinstance(exc, ConflictError):  # pinned or rolled back meanwhile: the step is void
                 log.warning("agent %s: step discarded (%s)", agent, exc.message)
@@ -340,12 +384,6 @@ class ContinualTrainer(BackgroundTask):
             (served - t0) * 1e3, (written - t0) * 1e3,
         )  # fmt: skip
         return True
-
-    def _restore(self, agent: str, previous: tuple[int, LoRAWeights] | None) -> None:
-        if previous is not None:
-            self.engine.set_adapter(agent, previous[0], previous[1])
-        elif self.engine.adapter_version(agent) is not None:
-            self.engine.remove_adapter(agent)
 
     # -- observability -----------------------------------------------------------------------
 
@@ -375,15 +413,3 @@ class ContinualTrainer(BackgroundTask):
                 }
             out[agent] = row
         return out
-
-    # -- operations ------------------------------------------------------------------------
-
-    def activate(self, agent: str, version: int) -> None:
-        """Serve `version` from the next decode step and train on from its weights and moments."""
-        with self._lock:
-            weights, _ = self.registry.load(agent, version, limits=self.engine.lora_limits)
-            self.engine.set_adapter(agent, version, weights)
-            self._runs.pop(agent, None)  # reloaded from the (now active) version on the next round
-
-    async def activate_async(self, agent: str, version: int) -> None:
-        await asyncio.to_thread(self.activate, agent, version)

@@ -1,9 +1,10 @@
-"""Tool calling for the chat gateway: prompt rendering, call parsing (whole and streamed), forced calls.
+"""Tool calling in the prompt format: prompt rendering, call parsing (whole and streamed), forced calls.
 
 The base model's chat template knows nothing about tools, so tools travel as
 plain text that any ChatML template renders. Pure functions and small classes:
 no HTTP, no engine (the constraint built here only satisfies the engine's
-`TokenConstraint` Protocol), no JSON-schema validation of arguments.
+`TokenConstraint` Protocol). Parsed arguments are not validated against the
+schema here; a forced call's arguments follow it by construction.
 
 Format
 ------
@@ -41,7 +42,10 @@ since until then it could still turn out to be text.
 
 **Forced calls.** For `tool_choice` "required" or a named function the gateway
 appends `forced_call_prefix(...)` after the generation prompt and generates
-under `forced_call_constraint(...)` (see `tool_constraint`).
+under a constraint on the arguments' schema (`forced_call` gives the declarative
+form that engines compile; `forced_call_constraint` the compiled one, see `constraint`).
+
+Not here: the grammar itself (see `json_prefix`, `schema`), HTTP, the engine.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from clora_feedback.chat_format.constraint import JSONCallConstraint, call_grammar
+from clora_feedback.chat_format.json_prefix import JSONPrefix
 from clora_feedback.errors import InvalidRequestError
-from clora_feedback.gateway.tool_constraint import JSONCallConstraint, JSONPrefix
 
 __all__ = [
     "CALL_CLOSE",
@@ -64,6 +69,7 @@ __all__ = [
     "StreamEvent",
     "ToolCallEvent",
     "ToolCallStreamParser",
+    "forced_call",
     "forced_call_constraint",
     "forced_call_prefix",
     "parse_tool_calls",
@@ -370,6 +376,22 @@ def forced_call_prefix(
     return ""
 
 
+def forced_call(
+    tool_choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None
+) -> tuple[str | None, dict[str, dict[str, Any] | None]] | None:
+    """What a forced call may be, as plain data for a declarative spec; None when none is forced.
+
+    Returns:
+        (the forced function's name, or None for "required"; function name ->
+        its `parameters` JSON Schema, None when the tool declares none).
+    """
+    choice = _resolve_choice(tool_choice, _tool_names(tools))
+    if choice not in ("required",) and not choice.startswith("fn:"):
+        return None
+    functions = {t["function"]["name"]: t["function"].get("parameters") for t in tools or []}
+    return (choice[3:] if choice.startswith("fn:") else None), functions
+
+
 def forced_call_constraint(
     tool_choice: str | dict[str, Any] | None,
     tools: list[dict[str, Any]] | None,
@@ -377,16 +399,16 @@ def forced_call_constraint(
 ) -> JSONCallConstraint | None:
     """The constraint that pairs with `forced_call_prefix`, or None when no call is forced.
 
+    The arguments follow the chosen function's `parameters` schema (see `schema`).
+
     Args:
-        token_texts: decoded text per token id (`tool_constraint.vocab_texts(tokenizer)`).
+        token_texts: decoded text per token id (`constraint.vocab_texts(tokenizer)`).
     """
-    names = _tool_names(tools)
-    choice = _resolve_choice(tool_choice, names)
-    if choice == "required":
-        return JSONCallConstraint(token_texts, "required", names)
-    if choice.startswith("fn:"):
-        return JSONCallConstraint(token_texts, "named")
-    return None
+    forced = forced_call(tool_choice, tools)
+    if forced is None:
+        return None
+    name, functions = forced
+    return JSONCallConstraint.from_grammar(token_texts, call_grammar(functions, name))
 
 
 # ---------------------------------------------------------------- parsing

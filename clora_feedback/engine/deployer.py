@@ -1,0 +1,366 @@
+"""The deployer: makes the engine serve what the adapter registry's active pointer says.
+
+The registry's active pointer is the one truth of what serves. Everything that
+changes it (trainer publish, operator rollback, the regression guard, the
+runtime load/unload routes) goes through here or only moves the pointer, and
+the deployer brings the engine to it. `serving(agent)` is the one source that
+every reporter reads (`/v1/models`, the gateway's routes, the agent table).
+
+One order, everywhere a move starts in this process:
+
+1. resolve the target and install it in the engine (the engine validates it
+   against its limits before evicting anything, and stages it beside what
+   serves; it serves from the next decode step);
+2. move the pointer with the registry's compare-and-set;
+3. if the move fails, bring the engine back to what the pointer still names.
+
+Why engine first: loading is what proves a version servable, so a version that
+fails to load never reaches the pointer and the previous one keeps serving;
+and a trainer's publish stays as fast as before (its hand-off lands while the
+registry writes the version durably, and is undone if the registry refuses).
+The engine and the pointer disagree at most for the duration of one move.
+
+A pointer moved elsewhere (another process on the same registry) is followed
+by a watcher that polls the registry every `poll_interval_s`. There the pointer
+moved first; a version that fails to load here is logged, the previous one
+keeps serving (`serving` says so), and it is not retried until the pointer moves
+again. The watcher never moves the pointer back: other engines may serve it.
+
+Not here: the registry's durability (`clora_feedback.store.registry`), the
+engine's slots (`embedded`), when to roll back (`clora_feedback.train.guard`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+
+from clora_feedback.engine.base import Engine
+from clora_feedback.engine.types import AdapterRef
+from clora_feedback.errors import CloraError, ConflictError, NotFoundError
+from clora_feedback.lifecycle import BackgroundTask
+from clora_feedback.lora.peft_io import load_peft_adapter
+from clora_feedback.store.versions import AdapterStore, VersionInfo
+
+if TYPE_CHECKING:
+    from clora_feedback.lora.weights import LoRAWeights
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class InMemoryAdapters(Protocol):
+    """An engine in this process that takes adapter tensors directly (the embedded one).
+
+    The deployer uses it for a co-located trainer's hand-off (a slot copy, no disk
+    read) and to undo one; every other move goes through the `Engine` Protocol.
+    """
+
+    def set_adapter(
+        self,
+        agent: str,
+        version: int,
+        weights: LoRAWeights,
+        *,
+        checked: bool = False,
+        owned: bool = False,
+    ) -> None: ...
+
+    def remove_adapter(self, agent: str) -> None: ...
+
+    def adapter_weights(self, agent: str) -> tuple[int, LoRAWeights] | None: ...
+
+
+class Deployer(BackgroundTask):
+    """Brings one engine to the registry's active pointers, and moves them in one order.
+
+    Args:
+        engine: the engine to keep in step (started before `start`).
+        registry: the adapter store whose active pointers say what serves.
+        poll_interval_s: how often the watcher reads the pointers (moves made
+            elsewhere are followed within this).
+        base_model: recorded in versions adopted at runtime (default the engine's name).
+        on_stop: called by `stop` (e.g. to close a registry the deployer was given to own).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        registry: AdapterStore,
+        *,
+        poll_interval_s: float = 1.0,
+        base_model: str | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.poll_interval_s = poll_interval_s
+        self.base_model = base_model or engine.model_name
+        self._in_memory = engine if isinstance(engine, InMemoryAdapters) else None
+        self._on_stop = on_stop
+        self._serving: dict[str, int] = {}  # what the engine serves, by this deployer's hand
+        self._handoffs: dict[str, int] = {}  # trainer hand-offs whose pointer has not moved yet
+        self._failed: dict[str, int] = {}  # pointer versions that failed to load here
+        self._serial = asyncio.Lock()  # one move at a time on the event loop
+        # Held by every move while it changes the engine; the trainer's thread holds it
+        # only for one staged slot write (or its undo), so the event loop waits briefly.
+        self._engine_lock = threading.Lock()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    task_name = "clora-deployer"
+
+    async def start(self) -> None:
+        """Bring every agent to its pointer, then follow the pointers in the background."""
+        await self.reconcile()
+        await super().start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._on_stop is not None:
+            self._on_stop()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.reconcile()
+            except CloraError as exc:  # e.g. the registry is briefly locked: try next time
+                log.error("deployer: reading the registry failed: %s", exc.message)
+
+    # -- what serves ----------------------------------------------------------------------
+
+    def serving(self, agent: str) -> int | None:
+        """The version the engine serves for `agent` (None: the base model). The one source."""
+        return self._serving.get(agent)
+
+    def served(self) -> dict[str, int]:
+        """Every agent with a served version."""
+        return dict(self._serving)
+
+    async def reconcile(self) -> None:
+        """Bring every agent whose pointer moved to it; failures are logged per agent."""
+        for info in await asyncio.to_thread(self.registry.agents):
+            agent, want = info.agent, info.active_version
+            if want == self.serving(agent) or agent in self._handoffs:
+                continue
+            if want is not None and self._failed.get(agent) == want:
+                continue  # already failed here: wait for the pointer to move again
+            try:
+                await self.sync(agent)
+            except CloraError as exc:
+                log.error(
+                    "agent %s: cannot serve active version %s (%s); still serving %s",
+                    agent, want, exc.message, self.serving(agent),
+                )  # fmt: skip
+
+    async def sync(self, agent: str) -> int | None:
+        """Bring `agent` to its pointer now; returns the version now served.
+
+        Raises:
+            CloraError: the pointer's version cannot be loaded (the previous one keeps serving).
+        """
+        async with self._moving():
+            return await self._follow(agent)
+
+    # -- moves that start here: engine first, then the pointer ----------------------------
+
+    async def activate(
+        self, agent: str, version: int, *, expected_active: int | None, reason: str
+    ) -> VersionInfo:
+        """Serve `version` again and make it active (a rollback), if `expected_active` still is.
+
+        Raises:
+            NotFoundError: unknown agent or version.
+            ConflictError: `version` is already active (`already_active`) or the active
+                version is not `expected_active` (`active_changed`); nothing changed.
+            AdapterError, StoreError: the version cannot be loaded; nothing changed.
+        """
+        async with self._moving():
+            active = await asyncio.to_thread(self._pointer, agent)
+            if expected_active is not None and active != expected_active:
+                raise ConflictError(
+                    f"agent {agent!r}: the active version is {active}, not {expected_active}",
+                    code="active_changed",
+                )
+            if version == active:
+                raise ConflictError(
+                    f"version {version} is already the active version of agent {agent!r}",
+                    param="version",
+                    code="already_active",
+                )
+            await self._install(await self._ref(agent, version))
+            rollback = functools.partial(
+                self.registry.rollback, agent, version, reason=reason, expected_active=active
+            )
+            return await self._then_move(agent, rollback)
+
+    async def adopt(self, agent: str, path: Path) -> int:
+        """Serve the PEFT adapter at `path` as a new immutable version of `agent` and activate it.
+
+        Returns:
+            The new version number.
+
+        Raises:
+            AdapterError: the adapter is missing, malformed or exceeds the engine's limits
+                (read and checked before anything changes).
+            ConflictError: the agent is pinned; the previous version keeps serving.
+        """
+        path = Path(path)
+        weights = await asyncio.to_thread(load_peft_adapter, path, limits=self.engine.lora_limits)
+        async with self._moving():
+            active = await asyncio.to_thread(self._pointer, agent)
+            version = await asyncio.to_thread(self.registry.next_version, agent)
+            await self._install(AdapterRef(agent, version, path, weights))
+            publish = functools.partial(
+                self.registry.publish,
+                agent,
+                weights,
+                optimizer_state=None,
+                base_model=self.base_model,
+                parent=active,
+                step=0,
+                metrics={},
+                feedback_window={"source": str(path.resolve())},
+                version=version,
+            )
+            await self._then_move(agent, publish)
+            return version
+
+    async def deactivate(self, agent: str) -> None:
+        """Stop serving `agent`'s adapter and point it at no version (an unload).
+
+        Raises:
+            NotFoundError: the agent has no active version.
+        """
+        async with self._moving():
+            active = await asyncio.to_thread(self._pointer, agent)
+            if active is None:
+                raise NotFoundError(
+                    f"agent {agent!r} has no active adapter version", code="no_active_version"
+                )
+            await self.engine.unload_adapter(agent)
+            self._serving.pop(agent, None)
+            move = functools.partial(self.registry.deactivate, agent, expected_active=active)
+            await self._then_move(agent, move)
+
+    # -- a co-located trainer's hand-off ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def handoff(self, ref: AdapterRef) -> Iterator[None]:
+        """Serve `ref` from memory now, while the caller (a trainer's thread) moves the pointer.
+
+        With an in-process engine, `ref.weights` go straight into its spare slot (no
+        disk read; they must already fit `engine.lora_limits` and are never mutated
+        afterwards). If the block raises (the registry refused the publish), the engine
+        goes back to what the pointer names. Other engines serve the version once the
+        watcher sees the pointer move. Thread-safe; blocking.
+        """
+        engine, agent = self._in_memory, ref.agent
+        with self._engine_lock:
+            previous = engine.adapter_weights(agent) if engine is not None else None
+            if engine is not None and ref.weights is not None:
+                engine.set_adapter(agent, ref.version, ref.weights, checked=True, owned=True)
+                self._serving[agent] = ref.version
+            self._handoffs[agent] = ref.version
+        try:
+            yield
+        except BaseException:
+            with self._engine_lock:
+                self._handoffs.pop(agent, None)
+                try:
+                    self._revert_in_memory(agent, previous)
+                except Exception:  # the watcher retries; the caller's error matters more
+                    log.exception(
+                        "agent %s: could not undo the hand-off of v%d", agent, ref.version
+                    )
+            raise
+        with self._engine_lock:
+            self._handoffs.pop(agent, None)
+
+    def _revert_in_memory(self, agent: str, previous: tuple[int, LoRAWeights] | None) -> None:
+        engine = self._in_memory
+        if engine is None:
+            return
+        pointer = self._pointer(agent)
+        if pointer is None:
+            if engine.adapter_weights(agent) is not None:
+                engine.remove_adapter(agent)
+            self._serving.pop(agent, None)
+            return
+        if previous is not None and previous[0] == pointer:
+            weights = previous[1]  # the engine's own copy: already checked, never mutated
+        else:  # the pointer moved meanwhile (a rollback raced the publish)
+            weights, _ = self.registry.load(agent, pointer, limits=self.engine.lora_limits)
+        engine.set_adapter(agent, pointer, weights, checked=True, owned=True)
+        self._serving[agent] = pointer
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _moving(self) -> AsyncIterator[None]:
+        async with self._serial:
+            with self._engine_lock:
+                yield
+
+    def _pointer(self, agent: str) -> int | None:
+        try:
+            info = self.registry.active(agent)
+        except NotFoundError:
+            return None
+        return None if info is None else info.version
+
+    async def _ref(self, agent: str, version: int) -> AdapterRef:
+        """The version as the engine is asked to serve it (tensors too for an in-process engine,
+        read with the registry's content-hash check)."""
+
+        def read() -> AdapterRef:
+            info = self.registry.get(agent, version)
+            weights = None
+            if self._in_memory is not None:
+                weights, _ = self.registry.load(agent, version, limits=self.engine.lora_limits)
+            return AdapterRef(agent, version, info.path, weights)
+
+        return await asyncio.to_thread(read)
+
+    async def _install(self, ref: AdapterRef) -> None:
+        await self.engine.load_adapter(ref)
+        self._serving[ref.agent] = ref.version
+        self._failed.pop(ref.agent, None)
+
+    async def _then_move(self, agent: str, move: Callable[[], T]) -> T:
+        """Step 2 of a move: the pointer; on failure, step 3: the engine back to the pointer."""
+        try:
+            return await asyncio.to_thread(move)
+        except BaseException:
+            try:
+                await self._follow(agent)
+            except Exception:
+                log.exception("agent %s: could not bring the engine back to its pointer", agent)
+            raise
+
+    async def _follow(self, agent: str) -> int | None:
+        """Bring the engine to `agent`'s pointer (the caller holds the move locks)."""
+        want = await asyncio.to_thread(self._pointer, agent)
+        if want == self.serving(agent):
+            return want
+        if want is None:
+            await self.engine.unload_adapter(agent)
+            self._serving.pop(agent, None)
+            log.info("agent %s: serving the base model (no active version)", agent)
+            return None
+        try:
+            await self._install(await self._ref(agent, want))
+        except CloraError:
+            self._failed[agent] = want
+            raise
+        log.info("agent %s: serving active version %d", agent, want)
+        return want

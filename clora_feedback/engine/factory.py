@@ -1,0 +1,42 @@
+"""`build_engine`: the one place that turns `engine.kind` into an `Engine`.
+
+The composition root (`clora_feedback.service.build_service`) and anything else
+that needs a serving engine from settings call this instead of naming an engine
+class, so adding an engine is one branch here plus its module (and its entry in
+`tests/test_engine_contract.py`).
+
+Not here: the engines themselves (see `embedded`), adapter deployment (see `deployer`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clora_feedback.config import EngineConfig
+from clora_feedback.engine.base import Engine
+from clora_feedback.errors import ConfigError
+
+
+def build_engine(config: EngineConfig, model_dir: Path, model_name: str) -> Engine:
+    """Build the engine `config.kind` names (not started).
+
+    Args:
+        config: the engine settings.
+        model_dir: the resolved base-model directory (Hugging Face layout).
+        model_name: the public name of the base model (`/v1/models`).
+
+    Raises:
+        ConfigError: the kind is not available in this build (today: "vllm").
+    """
+    if config.kind == "embedded":
+        # Imported here: torch and the model load only when this engine is chosen.
+        from clora_feedback.engine.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(model_dir, config, model_name=model_name)
+    if config.kind == "vllm":
+        raise ConfigError(
+            "engine.kind 'vllm' is not available yet (it arrives with the vLLM engine); "
+            "use engine.kind 'embedded'",
+            param="engine.kind",
+        )
+    raise ConfigError(f"unknown engine.kind {config.kind!r}", param="engine.kind")

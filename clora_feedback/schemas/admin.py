@@ -1,0 +1,121 @@
+"""Admin wire models: adapter versions and agents on `/v1/adapters`, and rollback bodies.
+
+The response objects are read straight off the registry's value types
+(`clora_feedback.store.versions.VersionInfo` / `AgentInfo`) with
+`model_validate(info, from_attributes=True)`, so a field added there is one
+line here, never a hand-written copy. The vocabulary both sides share
+(`VersionStatus`, `Activation`) is defined here and imported by the store,
+because schemas sit below the store in the layering.
+
+Both the admin routes (`clora_feedback.gateway.adapters`) and HTTP clients
+(`clora adapters`, a remote trainer or deployer) import these.
+
+Not here: the routes and their rules (`clora_feedback.gateway.adapters`), the registry.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+VersionStatus = Literal["active", "superseded", "rolled_back", "staged"]
+"""A version's status (see `clora_feedback.store.versions`)."""
+Activation = Literal["publish", "rollback"]
+"""How an agent's active version became active."""
+
+
+class RollbackRequest(BaseModel):
+    """`POST /v1/adapters/{agent}/rollback`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    version: int = Field(..., ge=1, description="The version to serve and train from again.")
+    reason: str | None = Field(
+        None, max_length=2000, description="Recorded on every version the rollback marks."
+    )
+
+
+class AdapterVersionObject(BaseModel):
+    """One adapter version (`VersionInfo` on the wire)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    object: Literal["adapter.version"] = "adapter.version"
+    agent: str
+    version: int
+    parent: int | None
+    step: int
+    status: VersionStatus
+    created_at: float
+    metrics: dict[str, float | None]
+    feedback_window: dict[str, Any] | None
+    content_hash: str
+    base_model: str
+    path: str
+    has_optimizer_state: bool
+    rolled_back_at: float | None = None
+    rolled_back_reason: str | None = None
+    manifest: dict[str, Any] | None = Field(
+        None, description="The version's manifest.json (only on the single-version route)."
+    )
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, PurePath) else value
+
+    @classmethod
+    def of(cls, info: Any, manifest: dict[str, Any] | None = None) -> AdapterVersionObject:
+        """The wire form of a `VersionInfo` (any object with its attributes)."""
+        obj = cls.model_validate(info, from_attributes=True)
+        return obj if manifest is None else obj.model_copy(update={"manifest": manifest})
+
+
+class AgentAdaptersObject(BaseModel):
+    """One agent's adapter summary (`AgentInfo` on the wire)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    object: Literal["adapter.agent"] = "adapter.agent"
+    agent: str
+    active_version: int | None
+    pinned: bool
+    num_versions: int
+    latest_version: int | None
+    activated_by: Activation | None
+    activated_at: float | None
+
+    @classmethod
+    def of(cls, info: Any) -> AgentAdaptersObject:
+        """The wire form of an `AgentInfo` (any object with its attributes)."""
+        return cls.model_validate(info, from_attributes=True)
+
+
+class AgentAdaptersList(BaseModel):
+    """`GET /v1/adapters`."""
+
+    object: Literal["list"] = "list"
+    data: list[AgentAdaptersObject]
+
+
+class AdapterVersionList(BaseModel):
+    """`GET /v1/adapters/{agent}/versions`: oldest first, with the agent's pointer and pin."""
+
+    object: Literal["list"] = "list"
+    agent: str
+    active_version: int | None
+    pinned: bool
+    data: list[AdapterVersionObject]
+
+
+class RollbackResult(BaseModel):
+    """The answer to a rollback."""
+
+    object: Literal["adapter.rollback"] = "adapter.rollback"
+    agent: str
+    previous_version: int | None
+    active_version: int
+    reason: str
+    rolled_back: list[int] = Field(description="Versions now marked rolled back, ascending.")

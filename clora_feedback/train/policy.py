@@ -1,0 +1,133 @@
+"""The trainer's model seam: what a step needs from the policy being trained.
+
+`PolicyModel` is the Protocol the trainer codes against: the log-probabilities
+of scored tokens under a batch of trainable adapters (or under the base model,
+the KL reference policy, with `lora=None`), plus the facts the trainer reads
+(LoRA limits, device, tokenizer, context length, model name).
+
+`DecoderPolicy` is the torch implementation over `clora_feedback.model`. The
+composition root picks how it gets its base weights:
+
+- `DecoderPolicy.shared_with(engine)`: the very tensors an embedded engine
+  serves from (no second copy of the model; the base is only read);
+- `DecoderPolicy.from_dir(model_dir, ...)`: its own copy, for a trainer beside
+  any other engine or in a process of its own.
+
+Not here: losses and the optimizer (see `step`), the serving engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from clora_feedback.lora.weights import LoRALimits
+from clora_feedback.model.base import BaseWeights
+from clora_feedback.train.forward import PackedBatch, TrainLoRA, token_logprobs
+
+
+class ModelFacts(Protocol):
+    """What the trainer reads about the base model (an engine states the same facts)."""
+
+    @property
+    def model_name(self) -> str:
+        """The base model's public name (recorded in each version's manifest)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + completion, in tokens."""
+        ...
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    @property
+    def lora_limits(self) -> LoRALimits:
+        """What a trained adapter must fit (the serving engine's limits)."""
+        ...
+
+
+class PolicyModel(ModelFacts, Protocol):
+    """The differentiable policy a trainer steps (base frozen, LoRA rows per agent)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where training state is swapped in and the forward runs."""
+        ...
+
+    def token_logprobs(self, batch: PackedBatch, lora: TrainLoRA | None) -> torch.Tensor:
+        """[N] fp32 logprobs of `batch.targets[batch.mask]`; `lora=None` is the base model."""
+        ...
+
+
+class SharesBaseWeights(ModelFacts, Protocol):
+    """Something in this process that serves from a `BaseWeights` (the embedded engine)."""
+
+    @property
+    def base_weights(self) -> BaseWeights: ...
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity, like the tensors it holds
+class DecoderPolicy:
+    """`PolicyModel` over a `BaseWeights` (the forward of `clora_feedback.model.decoder`).
+
+    Attributes:
+        base: the frozen base tensors (shared or owned; only read).
+        tokenizer, lora_limits, model_name, max_model_len: see `ModelFacts`.
+    """
+
+    base: BaseWeights
+    tokenizer: PreTrainedTokenizerBase
+    lora_limits: LoRALimits
+    model_name: str
+    max_model_len: int
+
+    @classmethod
+    def shared_with(cls, source: SharesBaseWeights) -> DecoderPolicy:
+        """A policy on the very tensors `source` (e.g. the embedded engine) already holds.
+
+        No copy is made: the trainer reads the base weights the engine serves
+        from, and trains adapters that fit the engine's limits.
+        """
+        return cls(
+            source.base_weights,
+            source.tokenizer,
+            source.lora_limits,
+            source.model_name,
+            source.max_model_len,
+        )
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: Path,
+        *,
+        max_lora_rank: int,
+        target_modules: tuple[str, ...],
+        model_name: str | None = None,
+        max_model_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> DecoderPolicy:
+        """A policy on its own copy of the base model loaded from an HF directory."""
+        base = BaseWeights.from_dir(model_dir, dtype=dtype, device=device)
+        positions = base.config.max_position_embeddings
+        return cls(
+            base,
+            AutoTokenizer.from_pretrained(str(model_dir)),
+            base.lora_limits(max_lora_rank, tuple(target_modules)),
+            model_name or Path(model_dir).name,
+            min(max_model_len, positions) if max_model_len else positions,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    def token_logprobs(self, batch: PackedBatch, lora: TrainLoRA | None) -> torch.Tensor:
+        return token_logprobs(self.base, batch, lora)
