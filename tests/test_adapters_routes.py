@@ -182,6 +182,17 @@ def test_rollback_switches_engine_then_registry(
     assert registry.get("support", 3).status == "active"
 
 
+def test_an_unloaded_agents_versions_say_inactive(
+    client: TestClient, registry: AdapterRegistry
+) -> None:
+    registry.deactivate("support", expected_active=3)  # what an unload does
+    versions = client.get("/v1/adapters/support/versions", headers=ADMIN).json()
+    assert versions["active_version"] is None
+    assert [v["status"] for v in versions["data"]] == ["inactive"] * 3
+    one = client.get("/v1/adapters/support/versions/3", headers=ADMIN).json()
+    assert one["status"] == "inactive"
+
+
 def test_rollback_bad_bodies_are_400(client: TestClient) -> None:
     for body in ({"version": "1"}, {"version": 0}, {}, {"version": 1, "reason": "x" * 3000}):
         response = client.post("/v1/adapters/support/rollback", json=body, headers=ADMIN)

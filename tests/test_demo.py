@@ -215,7 +215,8 @@ def test_tool_use_feedback_rewards_every_turn_and_corrects_the_wrong_one() -> No
 
 
 def test_forced_call_completion_continues_the_forced_prefix() -> None:
-    from clora_feedback.chat_format.tools import forced_call_prefix, parse_tool_calls
+    from clora_feedback.chat_format.calls import parse_tool_calls
+    from clora_feedback.chat_format.tools import forced_call_prefix
 
     prefix = forced_call_prefix("required", arithmetic.TOOLS)
     text = prefix + forced_call_completion("calculator", {"expression": "3*4"})

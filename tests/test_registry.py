@@ -240,6 +240,24 @@ def test_staged_publish_and_version_reservation(registry: AdapterRegistry) -> No
     assert active is not None and active.version == 2
 
 
+def test_versions_of_an_unloaded_agent_are_inactive(registry: AdapterRegistry) -> None:
+    _publish(registry, "support", 1, None)
+    _publish(registry, "support", 2, 1)
+    registry.deactivate("support", expected_active=2)
+    assert registry.active("support") is None and registry.agent("support").deactivated
+    assert [v.status for v in registry.versions("support")] == ["inactive", "inactive"]
+    # Published after the unload without being activated: staged, not inactive.
+    assert _publish(registry, "support", 3, None, activate=False).status == "staged"
+    assert registry.get("support", 1).status == "inactive"
+    # A rollback activates an inactive version again; the statuses follow the pointer.
+    registry.rollback("support", 1, reason="back to the first")
+    assert [v.status for v in registry.versions("support")] == [
+        "active",
+        "rolled_back",
+        "rolled_back",
+    ]
+
+
 def test_bad_inputs_are_refused(registry: AdapterRegistry, tmp_path: Path) -> None:
     for bad in ("../escape", ".hidden", "a/b", ""):
         with pytest.raises(InvalidRequestError):

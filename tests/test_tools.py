@@ -10,15 +10,17 @@ from typing import Any
 
 import pytest
 
-from clora_feedback.chat_format.constraint import JSONCallConstraint, vocab_texts
-from clora_feedback.chat_format.json_prefix import CallMode, JSONPrefix
-from clora_feedback.chat_format.tools import (
+from clora_feedback.chat_format.calls import (
     ContentDelta,
     ToolCallEvent,
     ToolCallStreamParser,
+    parse_tool_calls,
+)
+from clora_feedback.chat_format.constraint import JSONCallConstraint, vocab_texts
+from clora_feedback.chat_format.json_prefix import CallMode, JSONPrefix
+from clora_feedback.chat_format.tools import (
     forced_call_constraint,
     forced_call_prefix,
-    parse_tool_calls,
     render_messages,
 )
 from clora_feedback.errors import InvalidRequestError

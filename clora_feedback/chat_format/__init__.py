@@ -5,7 +5,8 @@ Shared by the gateway (which renders prompts and parses replies) and by engines
 constraint with `constraint.compile_guided`). Pure Python: no torch, no HTTP.
 
 Modules:
-    tools        rendering tools and messages, parsing calls (whole and streamed), forced-call prefix
+    tools        rendering tools and messages, the forced-call prefix and spec
+    calls        the `<tool_call>` tag: writing one, parsing calls (whole and streamed)
     json_prefix  the incremental JSON validator, optionally guided by a compiled JSON Schema
     schema       JSON Schema (the supported subset) -> the validator's schema nodes
     constraint   the token constraint built on them, and the vocabulary's token texts

@@ -12,7 +12,7 @@ gateway replays finished text through them (`completion_suffix`) to close a call
 that `max_tokens` cut short.
 
 Not here: HTTP, the engine, parsing of the finished text (that is
-`tools.parse_tool_calls`).
+`calls.parse_tool_calls`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `JSONPrefix` is a small character-level state machine over objects, arrays,
 strings with escapes, numbers and the literals true/false/null, for two
-grammars (see `tools` for the call format):
+grammars (see `calls` for the call format):
 
     object:    <JSON object>                                   (`for_object`)
     named:     <JSON object>}                                  (the arguments, then the call's "}")
@@ -20,7 +20,7 @@ and feeds only that token's characters. `closing_suffix` gives the shortest
 text that completes the current prefix, used when `max_tokens` runs out.
 
 Not here: tokens (see `constraint`), the schema subset (see `schema`),
-parsing finished text (see `tools.parse_tool_calls`).
+parsing finished text (see `calls.parse_tool_calls`).
 """
 
 from __future__ import annotations

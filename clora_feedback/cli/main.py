@@ -21,6 +21,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, host=args.host, port=args.port)
     if args.model:
         settings.engine.model = args.model
+    if args.engine:
+        settings.engine.kind = args.engine
+    if args.vllm_url:
+        settings.engine.vllm.urls = list(args.vllm_url)
     serve(settings)
     return 0
 
@@ -45,13 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
-        "serve", help="Run the OpenAI-compatible gateway on the embedded engine."
+        "serve", help="Run the OpenAI-compatible gateway (embedded engine, or vLLM servers)."
     )
     serve.add_argument("--host", default=None, help="Bind address (default 127.0.0.1).")
     serve.add_argument("--port", type=int, default=None, help="Port (default 8000).")
     serve.add_argument("--config", type=Path, default=None, help="JSON or YAML settings file.")
     serve.add_argument(
         "--model", default=None, help="Base model: the default name or a HF model directory."
+    )
+    serve.add_argument(
+        "--engine", choices=("embedded", "vllm"), default=None, help="Engine kind (engine.kind)."
+    )
+    serve.add_argument(
+        "--vllm-url",
+        action="append",
+        default=None,
+        help="A vLLM OpenAI server's base URL (engine.vllm.urls; repeatable).",
     )
     serve.set_defaults(func=_serve)
 

@@ -1,1 +1,1 @@
-"""Serving engines: the Engine Protocol, value types and the embedded torch engine."""
+"""Serving engines: the Engine Protocol, value types, the embedded torch engine and the vLLM engine."""

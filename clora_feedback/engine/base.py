@@ -1,7 +1,8 @@
 """The `Engine` Protocol: the seam between serving backends and everything else.
 
 The embedded torch engine (`clora_feedback.engine.embedded`) is the reference
-implementation; a vLLM-backed engine would implement the same surface. Callers
+implementation; the vLLM engine (`clora_feedback.engine.vllm`) implements the
+same surface over vLLM's OpenAI server. Callers
 (the gateway, the trainer, benchmarks) depend only on this Protocol.
 
 Not here: HTTP, tokenisation of chat messages, persistence.

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.types import AdapterRef
-from clora_feedback.errors import CloraError, ConflictError, NotFoundError
+from clora_feedback.errors import CloraError, NotFoundError
 from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.peft_io import load_peft_adapter
-from clora_feedback.store.versions import AdapterStore, VersionInfo
+from clora_feedback.store.versions import AdapterStore, VersionInfo, check_pointer_move
 
 if TYPE_CHECKING:
     from clora_feedback.lora.weights import LoRAWeights
@@ -186,17 +186,7 @@ class Deployer(BackgroundTask):
         """
         async with self._moving():
             active = await asyncio.to_thread(self._pointer, agent)
-            if expected_active is not None and active != expected_active:
-                raise ConflictError(
-                    f"agent {agent!r}: the active version is {active}, not {expected_active}",
-                    code="active_changed",
-                )
-            if version == active:
-                raise ConflictError(
-                    f"version {version} is already the active version of agent {agent!r}",
-                    param="version",
-                    code="already_active",
-                )
+            check_pointer_move(agent, active, version, expected_active)
             await self._install(await self._ref(agent, version))
             rollback = functools.partial(
                 self.registry.rollback, agent, version, reason=reason, expected_active=active

@@ -1,8 +1,9 @@
 """Incremental detokenisation with stop strings held back.
 
-Text is released only when it is final: a trailing replacement character
-(half a multi-byte UTF-8 sequence) waits for the next token, and the last
-`len(longest stop) - 1` characters wait until they cannot start a stop string.
+Text is released only when it is final: trailing replacement characters
+(half a multi-byte UTF-8 sequence) wait for the next token, and the last
+`len(longest stop) - 1` final characters before them wait until they cannot
+start a stop string.
 
 Not here: token selection.
 """
@@ -35,9 +36,9 @@ class Detokenizer:
                 self.text = self.text[:at]
                 return self._release(len(self.text)), True
         hold = max((len(s) - 1 for s in self.stop), default=0)
-        end = len(self.text) - hold
-        if self.text.endswith("\ufffd"):
-            end = min(end, len(self.text) - 1)
+        # Trailing replacement characters are half a character, not text yet; the hold-back
+        # for stop strings counts from the last final character before them.
+        end = len(self.text.rstrip("\ufffd")) - hold
         return self._release(end), False
 
     def flush(self) -> str:

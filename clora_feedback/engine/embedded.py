@@ -10,7 +10,8 @@ Each step, in order:
    engine's one spare slot on the caller's thread, while decoding goes on, and
    the step only flips the agent (and its running rows) to that slot; the old
    slot becomes the spare. Only a non-resident agent's weights are written by
-   the step itself, when a request first needs them;
+   the step itself, when a request first needs them (the bookkeeping is
+   `slots.AdapterSlots`);
 2. drop aborted sequences, freeing their KV-cache rows at once;
 3. admit waiting sequences into free rows (loading their adapter into a slot,
    evicting an idle one if needed);
@@ -18,7 +19,7 @@ Each step, in order:
    cannot stall the other rows for long;
 5. decode one token for every running sequence, all agents in one batch.
 
-Not here: HTTP, chat templates, persistence.
+Not here: HTTP, chat templates, persistence, which adapter sits in which slot (see `slots`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import heapq
 import itertools
 import logging
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +43,9 @@ from clora_feedback.engine.detok import Detokenizer
 from clora_feedback.engine.guided import check_supported, compile_guided
 from clora_feedback.engine.model import KVCache, LoRAModel
 from clora_feedback.engine.sampling import RowSampler, sample_batch
+from clora_feedback.engine.slots import AdapterSlots, HostAdapters
 from clora_feedback.engine.stream import RequestStreamImpl, engine_failure
 from clora_feedback.engine.types import (
-    BASE_VERSION,
     AdapterRef,
     EngineCapabilities,
     EngineStats,
@@ -101,13 +101,6 @@ class _Sequence:
         return self.prefilled < self.prompt_len
 
 
-@dataclass
-class _Slot:
-    agent: str | None = None
-    version: int = BASE_VERSION
-    last_used: float = 0.0
-
-
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -153,21 +146,12 @@ class EmbeddedEngine:
         self._by_id: dict[str, _Sequence] = {}
         self._aborts: set[str] = set()
         self._free_rows = list(range(config.max_num_seqs))
-        self._adapters: dict[str, tuple[int, LoRAWeights]] = {}  # host copies: the source of truth
-        # agents whose host copy changed since it was written to a slot
-        self._dirty: set[str] = set()
-        self._slots = [_Slot() for _ in range(self.model.num_slots)]
-        # Staged updates: `_spare` is the one slot no agent owns and no row reads; `set_adapter`
-        # writes into it outside the step, `_flips` hands it to the agent at the next step.
-        self._spare = self.model.num_slots - 1
-        self._flips: dict[str, int] = {}  # agent -> version staged in the spare slot
-        self._stage_lock = threading.Lock()  # one writer of the spare slot at a time
+        self._slots = AdapterSlots(self.model, self._lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._steps = 0
         self._generated = 0
         self._ids = itertools.count()
-        self.last_publish_s: float | None = None
 
     # -- Engine Protocol: properties and lifecycle -----------------------------------
 
@@ -193,6 +177,11 @@ class EmbeddedEngine:
         raw behaviour logprobs (see `sampling`: the trainer's policy is the temperature-1
         model, so fresh samples get an importance ratio of exactly 1)."""
         return _CAPABILITIES
+
+    @property
+    def last_publish_s(self) -> float | None:
+        """Seconds the last staged update spent writing the spare slot (benchmarks)."""
+        return self._slots.last_publish_s
 
     @property
     def base_weights(self) -> BaseWeights:
@@ -259,7 +248,7 @@ class EmbeddedEngine:
             | frozenset(sp.stop_token_ids),
         )
         with self._lock:
-            if request.agent is not None and request.agent not in self._adapters:
+            if request.agent is not None and request.agent not in self._slots:
                 raise NotFoundError(
                     f"no adapter is loaded for agent {request.agent!r}", param="model"
                 )
@@ -308,38 +297,10 @@ class EmbeddedEngine:
         """
         if not checked:
             weights.validate(self.model.limits)  # raises AdapterError before anything changes
-        copy = weights if owned else weights.clone()
-        with self._lock:
-            if agent not in self._adapters:  # new (or re-added): written by the step if resident
-                self._adapters[agent] = (version, copy)
-                self._dirty.add(agent)
-                self._lock.notify_all()
-                return
-        with self._stage_lock:
-            t0 = time.perf_counter()
-            with self._lock:
-                spare = self._spare
-                for other in self._flips:  # superseded: the spare slot is about to be rewritten
-                    if other != agent:
-                        self._dirty.add(other)  # written by the step instead when resident
-                self._flips.clear()
-            # No row reads the spare slot and the step never writes it, so this copy runs
-            # on the caller's thread while the engine keeps decoding.
-            self.model.write_slot(spare, copy)
-            with self._lock:
-                self._adapters[agent] = (version, copy)
-                self._flips[agent] = version
-                self._dirty.discard(agent)
-                self._lock.notify_all()
-            self.last_publish_s = time.perf_counter() - t0
+        self._slots.stage(agent, version, weights if owned else weights.clone())
 
     def remove_adapter(self, agent: str) -> None:
-        with self._lock:
-            if agent not in self._adapters:
-                raise NotFoundError(f"no adapter is loaded for agent {agent!r}", param="lora_name")
-            del self._adapters[agent]
-            self._dirty.add(agent)
-            self._lock.notify_all()
+        self._slots.remove(agent)
 
     async def load_adapter(self, ref: AdapterRef) -> None:
         """Engine Protocol: `ref.weights` when given, else `ref.path` read off the event loop;
@@ -358,23 +319,20 @@ class EmbeddedEngine:
     async def unload_adapter(self, agent: str) -> None:
         """Engine Protocol: drop `agent`'s adapter; a no-op when none is loaded."""
         with self._lock:
-            if agent not in self._adapters:
+            if agent not in self._slots:
                 return
         self.remove_adapter(agent)
 
     def adapter_version(self, agent: str) -> int | None:
-        with self._lock:
-            entry = self._adapters.get(agent)
-            return entry[0] if entry else None
+        entry = self._slots.get(agent)
+        return entry[0] if entry else None
 
     def adapter_weights(self, agent: str) -> tuple[int, LoRAWeights] | None:
         """The live (version, host copy of the weights) of an agent's adapter; do not mutate."""
-        with self._lock:
-            return self._adapters.get(agent)
+        return self._slots.get(agent)
 
     def adapters(self) -> dict[str, int]:
-        with self._lock:
-            return {a: v for a, (v, _) in self._adapters.items()}
+        return self._slots.versions()
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -385,7 +343,7 @@ class EmbeddedEngine:
                 max_waiting=self.config.max_waiting,
                 steps=self._steps,
                 generated_tokens=self._generated,
-                adapters={a: v for a, (v, _) in self._adapters.items()},
+                adapters=self._slots.versions(),
             )
 
     # -- the step loop -----------------------------------------------------------------
@@ -398,8 +356,7 @@ class EmbeddedEngine:
                     or self._waiting
                     or self._running
                     or self._aborts
-                    or self._dirty
-                    or self._flips
+                    or self._slots.pending
                 ):
                     self._lock.wait()
                 if self._stopping:
@@ -414,11 +371,9 @@ class EmbeddedEngine:
     def step(self) -> None:
         """One scheduling + forward step (called by the engine thread)."""
         with self._lock:
-            self._apply_flips()
-            dirty, self._dirty = self._dirty, set()
+            dirty, adapters = self._slots.begin_step(self._running)
             aborts, self._aborts = self._aborts, set()
-            adapters = dict(self._adapters)
-        self._apply_adapter_changes(dirty, adapters)
+        self._slots.apply_changes(dirty, adapters, self._running)
         for request_id in aborts:
             self._finish_by_id(request_id, "abort")
         self._admit(adapters)
@@ -430,71 +385,7 @@ class EmbeddedEngine:
             self._decode(decoding)
         self._steps += 1
 
-    def _apply_flips(self) -> None:
-        """Hand the staged spare slot to its agent (caller holds `_lock`; bookkeeping only).
-
-        The agent's running rows move with it, so requests in flight take the new
-        version from this step on (each token records its version). A flip for an
-        agent that is not resident is dropped: its host copy is already current and
-        is written when a request next needs it.
-        """
-        for agent, version in self._flips.items():
-            old = self._slot_of(agent)
-            entry = self._adapters.get(agent)
-            if old is None or entry is None or entry[0] != version:
-                continue
-            new = self._spare
-            self._slots[new] = _Slot(
-                agent=agent, version=version, last_used=self._slots[old].last_used
-            )
-            self._slots[old] = _Slot()
-            for seq in self._running:
-                if seq.slot == old:
-                    seq.slot = new
-            self._spare = old
-        self._flips.clear()
-        self._lock.notify_all()
-
-    def _apply_adapter_changes(
-        self, dirty: set[str], adapters: dict[str, tuple[int, LoRAWeights]]
-    ) -> None:
-        for agent in dirty:
-            slot = self._slot_of(agent)
-            if slot is None:
-                continue
-            if agent in adapters:
-                version, weights = adapters[agent]
-                self.model.write_slot(slot, weights)
-                self._slots[slot].version = version
-            elif not any(s.slot == slot for s in self._running):
-                self.model.clear_slot(slot)
-                self._slots[slot] = _Slot()
-            # else: removed while in use; running rows keep the old weights, freed when idle
-
-    def _slot_of(self, agent: str) -> int | None:
-        for i, slot in enumerate(self._slots):
-            if i and slot.agent == agent:
-                return i
-        return None
-
-    def _acquire_slot(self, agent: str, adapters: dict[str, tuple[int, LoRAWeights]]) -> int | None:
-        slot = self._slot_of(agent)
-        if slot is None:
-            busy = {s.slot for s in self._running} | {self._spare}
-            idle = [i for i in range(1, len(self._slots)) if i not in busy]
-            if not idle:
-                return None
-            # Prefer an empty slot, else evict the least recently used idle adapter.
-            slot = min(
-                idle, key=lambda i: (self._slots[i].agent is not None, self._slots[i].last_used)
-            )
-            version, weights = adapters[agent]
-            self.model.write_slot(slot, weights)
-            self._slots[slot] = _Slot(agent=agent, version=version)
-        self._slots[slot].last_used = time.monotonic()
-        return slot
-
-    def _admit(self, adapters: dict[str, tuple[int, LoRAWeights]]) -> None:
+    def _admit(self, adapters: HostAdapters) -> None:
         with self._lock:
             candidates = list(self._waiting)
         for seq in candidates:
@@ -508,7 +399,7 @@ class EmbeddedEngine:
                     NotFoundError(f"the adapter of agent {agent!r} was unloaded", param="model"),
                 )
                 continue
-            slot = 0 if agent is None else self._acquire_slot(agent, adapters)
+            slot = 0 if agent is None else self._slots.acquire(agent, adapters, self._running)
             if slot is None:
                 continue  # every slot is busy with other agents' running rows; try later
             self._remove_waiting(seq)
@@ -561,7 +452,7 @@ class EmbeddedEngine:
                 event = TokenEvent(
                     choice.token_id,
                     choice.logprob,
-                    self._slots[seq.slot].version,
+                    self._slots.version_in(seq.slot),
                     choice.top_logprobs,
                 )
                 constraint = seq.sampler.constraint

@@ -5,7 +5,7 @@ that needs a serving engine from settings call this instead of naming an engine
 class, so adding an engine is one branch here plus its module (and its entry in
 `tests/test_engine_contract.py`).
 
-Not here: the engines themselves (see `embedded`), adapter deployment (see `deployer`).
+Not here: the engines themselves (see `embedded`, `vllm`), adapter deployment (see `deployer`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def build_engine(config: EngineConfig, model_dir: Path, model_name: str) -> Engi
         model_name: the public name of the base model (`/v1/models`).
 
     Raises:
-        ConfigError: the kind is not available in this build (today: "vllm").
+        ConfigError: an unknown kind, or settings the kind cannot work with
+            (e.g. `vllm` without `engine.vllm.urls`).
     """
     if config.kind == "embedded":
         # Imported here: torch and the model load only when this engine is chosen.
@@ -34,9 +35,7 @@ def build_engine(config: EngineConfig, model_dir: Path, model_name: str) -> Engi
 
         return EmbeddedEngine(model_dir, config, model_name=model_name)
     if config.kind == "vllm":
-        raise ConfigError(
-            "engine.kind 'vllm' is not available yet (it arrives with the vLLM engine); "
-            "use engine.kind 'embedded'",
-            param="engine.kind",
-        )
+        from clora_feedback.engine.vllm import VLLMEngine
+
+        return VLLMEngine(model_dir, config, model_name=model_name)
     raise ConfigError(f"unknown engine.kind {config.kind!r}", param="engine.kind")

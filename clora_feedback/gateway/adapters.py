@@ -34,7 +34,6 @@ import logging
 from fastapi import APIRouter, Depends
 
 from clora_feedback.engine.deployer import Deployer
-from clora_feedback.errors import ConflictError
 from clora_feedback.gateway.auth import admin_principal
 from clora_feedback.schemas.admin import (
     AdapterVersionList,
@@ -44,7 +43,7 @@ from clora_feedback.schemas.admin import (
     RollbackRequest,
     RollbackResult,
 )
-from clora_feedback.store.versions import AdapterStore, AgentInfo, VersionInfo
+from clora_feedback.store.versions import AdapterStore, AgentInfo, VersionInfo, check_pointer_move
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +101,7 @@ def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = No
             lambda: (registry.get(agent, body.version), registry.agent(agent))
         )
         previous = info.active_version
-        if target.version == previous:
-            raise ConflictError(
-                f"version {target.version} is already the active version of agent {agent!r}",
-                param="version",
-                code="already_active",
-            )
+        check_pointer_move(agent, previous, target.version, expected_active=None)
         if deployer is not None:
             await deployer.activate(agent, target.version, expected_active=previous, reason=reason)
         else:

@@ -8,7 +8,10 @@ Per request, `ChatHandler`:
    engine for a `ToolCallSpec` (the functions' parameter schemas), which the
    engine compiles, so the call's arguments are always JSON that follows the
    declared parameters (stop strings are ignored for forced calls: they could
-   cut it); an engine that cannot compile it answers 400;
+   cut it); an engine that cannot compile it answers 400; a `response_format`
+   of "json_object" or "json_schema" asks for a `JSONSchemaSpec` instead (the
+   reply is one JSON object, as content; stop strings ignored likewise, tools
+   not parsed); a reply cut by `max_tokens` is returned as cut, with "length";
 3. checks the context window and submits n sequences (`GenerationRun`);
 4. parses tool calls (`finish_reason` "tool_calls" when there are any);
 5. records the trajectory, then answers: one JSON body, or SSE chunks ending
@@ -29,21 +32,19 @@ from typing import Any
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from starlette.requests import Request
 
-from clora_feedback.chat_format.constraint import call_grammar, completion_suffix
-from clora_feedback.chat_format.json_prefix import JSONPrefix
-from clora_feedback.chat_format.tools import (
+from clora_feedback.chat_format.calls import (
     ContentDelta,
     StreamEvent,
     ToolCallEvent,
     ToolCallStreamParser,
-    forced_call,
-    forced_call_prefix,
     parse_tool_calls,
-    render_messages,
 )
+from clora_feedback.chat_format.constraint import call_grammar, completion_suffix, object_grammar
+from clora_feedback.chat_format.json_prefix import JSONPrefix
+from clora_feedback.chat_format.tools import forced_call, forced_call_prefix, render_messages
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.guided import check_supported
-from clora_feedback.engine.types import RequestOutput, ToolCallSpec
+from clora_feedback.engine.types import GuidedDecoding, JSONSchemaSpec, RequestOutput, ToolCallSpec
 from clora_feedback.errors import CloraError, EngineError, InvalidRequestError
 from clora_feedback.gateway.agents import AgentRegistry, Route
 from clora_feedback.gateway.auth import Principal
@@ -74,14 +75,16 @@ class ChatPrompt:
         forced_prefix: text of a forced tool-call opening ("" when none is forced);
             part of the prompt, but parsed together with the generated text.
         parse_tools: tools are offered, so the output is parsed for calls.
-        guided: the forced call's declarative spec, for the engine to compile.
-        grammar: the same call's grammar, to close a call that `max_tokens` cut short.
+        guided: the declarative spec for the engine to compile: the forced call's, or
+            the JSON reply's that `response_format` asks for.
+        grammar: the forced call's grammar, to close a call that `max_tokens` cut short
+            (None for a JSON reply: its content is returned as generated).
     """
 
     token_ids: list[int]
     forced_prefix: str
     parse_tools: bool
-    guided: ToolCallSpec | None = None
+    guided: GuidedDecoding | None = None
     grammar: JSONPrefix | None = None
 
 
@@ -180,15 +183,25 @@ class ChatHandler:
         text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
         prefix = forced_call_prefix(choice_wire, tools)
         ids = list(tokenizer.encode(str(text) + prefix, add_special_tokens=False))
-        parse = bool(tools) and body.effective_tool_choice != "none"
+        parse = bool(tools) and body.effective_tool_choice != "none" and not body.constrains_reply
         forced = forced_call(choice_wire, tools)
         if forced is None:
-            return ChatPrompt(ids, prefix, parse)
+            return ChatPrompt(ids, prefix, parse, self._reply_spec(body))
         name, functions = forced
         spec = ToolCallSpec(functions=functions, name=name)
         check_supported(spec, self._engine.capabilities)
         # Compiled here too (cheap, no tokens): a bad schema is a 400 before any engine work.
         return ChatPrompt(ids, prefix, parse, spec, call_grammar(functions, name))
+
+    def _reply_spec(self, body: ChatCompletionRequest) -> JSONSchemaSpec | None:
+        """The JSON reply `response_format` asks for, checked against the engine; None for text."""
+        fmt = body.response_format
+        if fmt is None or not fmt.constrains:
+            return None
+        spec = JSONSchemaSpec(fmt.reply_schema)
+        check_supported(spec, self._engine.capabilities)
+        object_grammar(spec.schema)  # a bad schema is a 400 before any engine work
+        return spec
 
     # -- results --------------------------------------------------------------------
 

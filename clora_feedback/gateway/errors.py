@@ -6,7 +6,8 @@ Every failure the gateway answers with looks like OpenAI's:
 
 Sources, each translated once here:
 - `CloraError` (the package hierarchy): status, type, param and code come from
-  the exception's attributes; `OverloadedError` adds a `Retry-After` header.
+  the exception's attributes; a retriable error with `retry_after_s` (an
+  overloaded queue, an unreachable engine server) adds a `Retry-After` header.
 - FastAPI's `RequestValidationError` (a body that fails the pydantic models,
   including a body that is not JSON): 400, with `param` rebuilt from the
   error location (`messages[0].content`), never from message text.
@@ -30,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clora_feedback.errors import CloraError, InvalidRequestError, NotFoundError, OverloadedError
+from clora_feedback.errors import CloraError, InvalidRequestError, NotFoundError
 from clora_feedback.schemas.paths import json_path
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,10 @@ def error_event(exc: CloraError) -> dict[str, Any]:
 
 
 def error_response(exc: CloraError) -> JSONResponse:
-    """A JSON response for a package error, with `Retry-After` when it is retriable overload."""
+    """A JSON response for a package error, with `Retry-After` when the error names a wait
+    (an overloaded queue, an unreachable engine server)."""
     headers: dict[str, str] = {}
-    if isinstance(exc, OverloadedError):
+    if exc.retriable and exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     return JSONResponse(error_event(exc), status_code=exc.http_status, headers=headers)
 

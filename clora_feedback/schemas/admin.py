@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-VersionStatus = Literal["active", "superseded", "rolled_back", "staged"]
+VersionStatus = Literal["active", "superseded", "rolled_back", "staged", "inactive"]
 """A version's status (see `clora_feedback.store.versions`)."""
 Activation = Literal["publish", "rollback"]
 """How an agent's active version became active."""

@@ -5,8 +5,10 @@ Requests (`ChatCompletionRequest`, `CompletionRequest`, `LoadLoRAAdapterRequest`
 is a 400 naming the parameter instead of a silent coercion. Fields follow the
 order of the OpenAI API reference. Unknown fields are ignored (as vLLM does) so
 that SDKs and frameworks sending newer parameters keep working; parameters we
-know but cannot honour (penalties, logit bias, JSON response formats, `echo`)
-are accepted only at their no-op values and otherwise refused by name.
+know but cannot honour (penalties, logit bias, `echo`) are accepted only at
+their no-op values and otherwise refused by name. `response_format` follows
+OpenAI's shapes (text, json_object, json_schema) and cannot be combined with a
+forced tool call.
 
 Responses reuse the `openai` package's own types (`ChatCompletion`,
 `ChatCompletionChunk`, `Completion`, `Model`); they allow extra fields, which is
@@ -159,9 +161,55 @@ class StreamOptions(_Wire):
     include_usage: bool | None = None
 
 
+class JSONSchemaFormat(_Wire):
+    """`response_format.json_schema`: the schema a reply follows.
+
+    The fields of the `openai` package's `ResponseFormatJSONSchema.json_schema`
+    (a test keeps them equal), retyped strictly so a wrong type is a 400.
+
+    The embedded engine enforces the subset of JSON Schema that
+    `clora_feedback.chat_format.schema` lists, whether or not `strict` is set;
+    keywords outside it are accepted and not enforced.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore", serialize_by_alias=True)
+
+    description: str | None = None
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="JSON Schema of the reply; absent: any JSON object."
+    )
+    strict: bool | None = None
+
+
 class ResponseFormat(_Wire):
+    """`response_format`, OpenAI's three shapes folded into one model so errors name fields:
+    `{"type": "text"}` (no constraint), `{"type": "json_object"}` (one JSON object) and
+    `{"type": "json_schema", "json_schema": {...}}` (one object following the schema)."""
+
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise InvalidRequestError(
+                "response_format of type 'json_schema' needs a 'json_schema' object",
+                param="response_format.json_schema",
+            )
+        return self
+
+    @property
+    def constrains(self) -> bool:
+        """The reply must be JSON ("json_object" or "json_schema")."""
+        return self.type != "text"
+
+    @property
+    def reply_schema(self) -> dict[str, Any] | None:
+        """The schema the reply follows; None for any JSON object (or for "text")."""
+        if self.type != "json_schema" or self.json_schema is None:
+            return None
+        return self.json_schema.schema_
 
 
 # ---------------------------------------------------------------- requests
@@ -232,13 +280,18 @@ class ChatCompletionRequest(_Wire):
             raise InvalidRequestError(
                 "logprobs must be set to true if top_logprobs is used", param="top_logprobs"
             )
-        if self.response_format is not None and self.response_format.type != "text":
+        self._check_tools()
+        fmt = self.response_format
+        if (
+            fmt is not None
+            and fmt.constrains
+            and self.effective_tool_choice not in ("none", "auto")
+        ):
             raise InvalidRequestError(
-                f"response_format {self.response_format.type!r} is not supported; use tools with a "
-                "forced tool_choice for structured output",
+                f"response_format {fmt.type!r} cannot be combined with a forced "
+                "tool_choice: the reply is either the forced call or a JSON object; drop one",
                 param="response_format",
             )
-        self._check_tools()
         return self
 
     def _check_tools(self) -> None:
@@ -265,6 +318,11 @@ class ChatCompletionRequest(_Wire):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
+
+    @property
+    def constrains_reply(self) -> bool:
+        """`response_format` asks for JSON, so the reply is constrained content."""
+        return self.response_format is not None and self.response_format.constrains
 
     @property
     def effective_tool_choice(self) -> ToolChoice:

@@ -18,7 +18,8 @@ One connection behind a lock serves all threads; WAL lets other processes read.
 A `.store-id` file ties the adapter tree to its database: a registry opened on
 another database's tree refuses rather than collect that tree's versions.
 
-A version's status is computed from the pointer and its rollback mark, never stored.
+A version's status is computed from the pointer and its rollback mark, never
+stored (the rule, the tables and the row decoding are in `index`).
 
 Deliberately not here: the value types and Protocol (see `versions`), the engine
 (`clora_feedback.engine.deployer` makes it serve the active pointer), HTTP (see `clora_feedback.gateway.adapters`),
@@ -30,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import sqlite3
 import threading
 import time
@@ -53,79 +53,27 @@ from clora_feedback.store.artifact import (
     verify_version_dir,
     write_version_dir,
 )
+from clora_feedback.store.index import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    VERSION_COLUMNS,
+    Pointer,
+    finite_metrics,
+    json_object,
+    version_info,
+)
 from clora_feedback.store.versions import (
     AdapterStore,
     AgentInfo,
     VersionInfo,
     VersionStatus,
     check_agent_name,
+    check_pointer_move,
 )
 
 __all__ = ["AdapterRegistry", "AdapterStore", "AgentInfo", "VersionInfo", "VersionStatus"]
 
 log = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 1
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS agents (
-    agent TEXT PRIMARY KEY,
-    active_version INTEGER,
-    last_version INTEGER NOT NULL DEFAULT 0,
-    pinned INTEGER NOT NULL DEFAULT 0,
-    activated_by TEXT CHECK (activated_by IN ('publish', 'rollback')),
-    activated_at REAL,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS versions (
-    agent TEXT NOT NULL REFERENCES agents (agent),
-    version INTEGER NOT NULL,
-    parent INTEGER,
-    step INTEGER NOT NULL,
-    base_model TEXT NOT NULL,
-    content_hash TEXT NOT NULL,
-    metrics TEXT NOT NULL,
-    feedback_window TEXT,
-    has_optimizer_state INTEGER NOT NULL,
-    created_at REAL NOT NULL,
-    rolled_back_at REAL,
-    rolled_back_reason TEXT,
-    PRIMARY KEY (agent, version)
-) WITHOUT ROWID;
-"""
-_VERSION_COLUMNS = (
-    "agent, version, parent, step, base_model, content_hash, metrics, feedback_window, "
-    "has_optimizer_state, created_at, rolled_back_at, rolled_back_reason"
-)
-
-
-def _finite_metrics(metrics: Mapping[str, float]) -> dict[str, float | None]:
-    # JSON (and so the admin API) has no NaN or infinity: a diverged loss is recorded as null.
-    out: dict[str, float | None] = {}
-    for key, value in metrics.items():
-        number = float(value)
-        out[str(key)] = number if math.isfinite(number) else None
-    return out
-
-
-def _json_object(value: Mapping[str, Any] | None, *, param: str) -> str | None:
-    if value is None:
-        return None
-    try:
-        return json.dumps(dict(value), allow_nan=False, sort_keys=True)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"{param} must be JSON-serialisable: {exc}", param=param) from exc
-
-
-def _status(version: int, rolled_back_at: float | None, active: int | None) -> VersionStatus:
-    if version == active:
-        return "active"
-    if rolled_back_at is not None:
-        return "rolled_back"
-    if active is not None and version < active:
-        return "superseded"
-    return "staged"
 
 
 def _version_not_found(agent: str, version: int, *, param: str = "version") -> NotFoundError:
@@ -199,7 +147,7 @@ class AdapterRegistry:
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.execute("PRAGMA foreign_keys=ON")
         with self._transaction("open") as conn:
-            for statement in _SCHEMA.split(";"):
+            for statement in SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
             row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
@@ -280,30 +228,13 @@ class AdapterRegistry:
     @staticmethod
     def _version_row(conn: sqlite3.Connection, agent: str, version: int) -> tuple[Any, ...] | None:
         row: tuple[Any, ...] | None = conn.execute(
-            f"SELECT {_VERSION_COLUMNS} FROM versions WHERE agent = ? AND version = ?",
+            f"SELECT {VERSION_COLUMNS} FROM versions WHERE agent = ? AND version = ?",
             (agent, version),
         ).fetchone()
         return row
 
-    def _to_info(self, row: tuple[Any, ...], active: int | None) -> VersionInfo:
-        agent, version, parent, step, base_model, digest, metrics, window = row[:8]
-        has_optimizer_state, created_at, rolled_back_at, reason = row[8:]
-        return VersionInfo(
-            agent=agent,
-            version=version,
-            parent=parent,
-            step=step,
-            status=_status(version, rolled_back_at, active),
-            created_at=created_at,
-            metrics=json.loads(metrics),
-            feedback_window=None if window is None else json.loads(window),
-            content_hash=digest,
-            base_model=base_model,
-            path=self._dirs.path(agent, version),
-            has_optimizer_state=bool(has_optimizer_state),
-            rolled_back_at=rolled_back_at,
-            rolled_back_reason=reason,
-        )
+    def _to_info(self, row: tuple[Any, ...], agent_row: tuple[Any, ...]) -> VersionInfo:
+        return version_info(row, Pointer.of(agent_row), self._dirs.path(row[0], row[1]))
 
     # -- publishing ---------------------------------------------------------------
 
@@ -444,11 +375,11 @@ class AdapterRegistry:
         parent, step = meta["parent"], meta["step"]
         if step < 0:
             raise InvalidRequestError(f"step must be >= 0, got {step}", param="step")
-        window = _json_object(feedback_window, param="feedback_window")
+        window = json_object(feedback_window, param="feedback_window")
         meta = {
             "agent": agent,
             **meta,
-            "metrics": _finite_metrics(metrics),
+            "metrics": finite_metrics(metrics),
             "feedback_window": None if window is None else json.loads(window),
         }
         with self._dirs.lock():
@@ -522,7 +453,7 @@ class AdapterRegistry:
         with self._transaction("publish") as conn:
             self._check_publishable(conn, agent, manifest["parent"], activate)
             conn.execute(
-                f"INSERT INTO versions ({_VERSION_COLUMNS}) "
+                f"INSERT INTO versions ({VERSION_COLUMNS}) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
                 (
                     agent,
@@ -597,7 +528,7 @@ class AdapterRegistry:
             if row is None or row[1] is None:
                 return None
             version_row = self._version_row(conn, agent, row[1])
-        return None if version_row is None else self._to_info(version_row, row[1])
+        return None if version_row is None else self._to_info(version_row, row)
 
     def get(self, agent: str, version: int) -> VersionInfo:
         """One version.
@@ -610,7 +541,7 @@ class AdapterRegistry:
             version_row = self._version_row(conn, agent, version)
         if version_row is None:
             raise _version_not_found(agent, version)
-        return self._to_info(version_row, row[1])
+        return self._to_info(version_row, row)
 
     def versions(self, agent: str) -> list[VersionInfo]:
         """All published versions of `agent`, oldest first.
@@ -621,10 +552,10 @@ class AdapterRegistry:
         with self._read() as conn:
             row = self._require_agent(conn, agent)
             rows = conn.execute(
-                f"SELECT {_VERSION_COLUMNS} FROM versions WHERE agent = ? ORDER BY version",
+                f"SELECT {VERSION_COLUMNS} FROM versions WHERE agent = ? ORDER BY version",
                 (agent,),
             ).fetchall()
-        return [self._to_info(r, row[1]) for r in rows]
+        return [self._to_info(r, row) for r in rows]
 
     def manifest(self, agent: str, version: int) -> dict[str, Any]:
         """The version's `manifest.json`.
@@ -710,17 +641,7 @@ class AdapterRegistry:
             active = self._require_agent(conn, agent)[1]
             if self._version_row(conn, agent, version) is None:
                 raise _version_not_found(agent, version)
-            if expected_active is not None and active != expected_active:
-                raise ConflictError(
-                    f"agent {agent!r}: the active version is {active}, not {expected_active}",
-                    code="active_changed",
-                )
-            if version == active:
-                raise ConflictError(
-                    f"version {version} is already the active version of agent {agent!r}",
-                    param="version",
-                    code="already_active",
-                )
+            check_pointer_move(agent, active, version, expected_active)
             conn.execute(
                 "UPDATE versions SET rolled_back_at = ?, rolled_back_reason = ? "
                 "WHERE agent = ? AND version > ? AND rolled_back_at IS NULL",

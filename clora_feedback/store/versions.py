@@ -6,7 +6,9 @@ implementation (SQLite index + version directories), and re-exports them.
 
 Status of a version: `active` (the agent's active pointer), `rolled_back`
 (marked by a rollback past it, with the reason), `superseded` (older than the
-active one) or `staged` (published with `activate=False`, never activated).
+active one), `staged` (published with `activate=False`, never activated) or
+`inactive` (an unload pointed the agent at no version; a rollback to it
+activates it again). `clora_feedback.store.index` computes it.
 
 Not here: any I/O.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from clora_feedback.errors import InvalidRequestError
+from clora_feedback.errors import ConflictError, InvalidRequestError
 from clora_feedback.schemas.admin import Activation, VersionStatus
 
 if TYPE_CHECKING:
@@ -44,7 +46,7 @@ class VersionInfo:
     step: int
     """The agent's optimizer step count when this version was published."""
     status: VersionStatus
-    """`active`, `superseded`, `rolled_back` or `staged` (see the module docstring)."""
+    """`active`, `superseded`, `rolled_back`, `staged` or `inactive` (see the module docstring)."""
     created_at: float
     """Publish time, seconds since the epoch."""
     metrics: Mapping[str, float | None]
@@ -160,4 +162,29 @@ def check_agent_name(agent: str) -> None:
             f"invalid agent name {agent!r}: 1-128 letters, digits or ._:- "
             "starting with a letter or digit",
             param="agent",
+        )
+
+
+def check_pointer_move(
+    agent: str, active: int | None, version: int | None, expected_active: int | None
+) -> None:
+    """Refuse a pointer move that raced another one or would change nothing.
+
+    Shared by the registry's compare-and-set and by every caller that checks
+    before it touches an engine, so the refusals read the same everywhere.
+
+    Raises:
+        ConflictError: the active version is not `expected_active` (`active_changed`,
+            when an expectation is given), or `version` is already active (`already_active`).
+    """
+    if expected_active is not None and active != expected_active:
+        raise ConflictError(
+            f"agent {agent!r}: the active version is {active}, not {expected_active}",
+            code="active_changed",
+        )
+    if version is not None and version == active:
+        raise ConflictError(
+            f"version {version} is already the active version of agent {agent!r}",
+            param="version",
+            code="already_active",
         )

@@ -1,0 +1,148 @@
+"""The adapter registry's SQLite index: its tables, and what a row means.
+
+`AdapterRegistry` owns the connection, the transactions and every write (see
+`registry`); this module holds the plain parts it reads them with: the table
+definitions (`SCHEMA`, version `SCHEMA_VERSION`), the version columns in the
+order `version_info` decodes them, the JSON encoding of metrics and feedback
+windows, and the status rule.
+
+A version's status is computed from the agent's pointer and the version's
+rollback mark, never stored:
+
+- `active`: the pointer names it;
+- `rolled_back`: a rollback past it marked it (the mark wins over the rest);
+- `superseded`: older than the active version;
+- `staged`: newer than the active version, or published while no version was
+  active, and never activated since (e.g. `publish(activate=False)`);
+- `inactive`: it existed when an unload pointed the agent at no version (the
+  base model serves the agent); a rollback to it activates it again.
+
+Not here: connections, transactions, files (see `registry`, `artifact`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clora_feedback.errors import InvalidRequestError
+from clora_feedback.store.versions import VersionInfo, VersionStatus
+
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS agents (
+    agent TEXT PRIMARY KEY,
+    active_version INTEGER,
+    last_version INTEGER NOT NULL DEFAULT 0,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    activated_by TEXT CHECK (activated_by IN ('publish', 'rollback')),
+    activated_at REAL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions (
+    agent TEXT NOT NULL REFERENCES agents (agent),
+    version INTEGER NOT NULL,
+    parent INTEGER,
+    step INTEGER NOT NULL,
+    base_model TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    metrics TEXT NOT NULL,
+    feedback_window TEXT,
+    has_optimizer_state INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    rolled_back_at REAL,
+    rolled_back_reason TEXT,
+    PRIMARY KEY (agent, version)
+) WITHOUT ROWID;
+"""
+VERSION_COLUMNS = (
+    "agent, version, parent, step, base_model, content_hash, metrics, feedback_window, "
+    "has_optimizer_state, created_at, rolled_back_at, rolled_back_reason"
+)
+"""The `versions` columns, in the order `version_info` reads a row."""
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """An agent's active pointer, as a version's status needs it.
+
+    Attributes:
+        active: the active version; None when none is.
+        moved_at: when the pointer last moved (`agents.activated_at`); with `active`
+            None, a set time means an unload pointed the agent at no version then.
+    """
+
+    active: int | None
+    moved_at: float | None
+
+    @classmethod
+    def of(cls, agent_row: tuple[Any, ...]) -> Pointer:
+        """From `(agent, active_version, last_version, pinned, activated_by, activated_at)`."""
+        return cls(active=agent_row[1], moved_at=agent_row[5])
+
+
+def version_status(
+    version: int, created_at: float, rolled_back_at: float | None, pointer: Pointer
+) -> VersionStatus:
+    """The status rule of the module docstring."""
+    if version == pointer.active:
+        return "active"
+    if rolled_back_at is not None:
+        return "rolled_back"
+    if pointer.active is not None:
+        return "superseded" if version < pointer.active else "staged"
+    if pointer.moved_at is not None and created_at <= pointer.moved_at:
+        return "inactive"
+    return "staged"
+
+
+def version_info(row: tuple[Any, ...], pointer: Pointer, path: Path) -> VersionInfo:
+    """Decode a `versions` row (`VERSION_COLUMNS` order) stored under `path`."""
+    agent, version, parent, step, base_model, digest, metrics, window = row[:8]
+    has_optimizer_state, created_at, rolled_back_at, reason = row[8:]
+    return VersionInfo(
+        agent=agent,
+        version=version,
+        parent=parent,
+        step=step,
+        status=version_status(version, created_at, rolled_back_at, pointer),
+        created_at=created_at,
+        metrics=json.loads(metrics),
+        feedback_window=None if window is None else json.loads(window),
+        content_hash=digest,
+        base_model=base_model,
+        path=path,
+        has_optimizer_state=bool(has_optimizer_state),
+        rolled_back_at=rolled_back_at,
+        rolled_back_reason=reason,
+    )
+
+
+def finite_metrics(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    """`metrics` as JSON can hold them."""
+    # JSON (and so the admin API) has no NaN or infinity: a diverged loss is recorded as null.
+    out: dict[str, float | None] = {}
+    for key, value in metrics.items():
+        number = float(value)
+        out[str(key)] = number if math.isfinite(number) else None
+    return out
+
+
+def json_object(value: Mapping[str, Any] | None, *, param: str) -> str | None:
+    """`value` as canonical JSON text (None stays None).
+
+    Raises:
+        InvalidRequestError: `value` is not JSON-serialisable (`param` names it).
+    """
+    if value is None:
+        return None
+    try:
+        return json.dumps(dict(value), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{param} must be JSON-serialisable: {exc}", param=param) from exc
