@@ -122,7 +122,7 @@ class ContinualTrainer(BackgroundTask):
         self._base_model = base_model or policy.model_name
         self._runs: dict[str, _AgentRun] = {}
         self._slots: list[TrainingSlot] = []
-        self._lock = threading.RLock()  # one round or activation at a time
+        self._lock = threading.RLock()  # one round at a time
         self._turn = 0
         self.history: list[StepResult] = []
         self.last_publish: dict[str, float] = {}
