@@ -74,3 +74,68 @@ def test_feedback_trains_a_version_that_vllm_serves_next(
         assert set(choice.model_extra["clora"]["token_versions"]) == {1}
         record = service.trajectories.store.get(reply.id)
         assert record.logprobs_mode == "processed" and record.version_attribution == "request"
+
+
+async def test_serve_without_a_url_supervises_a_local_vllm_that_loads_the_registry_copy(
+    vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """`clora serve --engine vllm` with no URL: the service starts its own vLLM server on the
+    model, serves a configured agent's adapter from the registry's immutable copy (never
+    the configured path, which its owner may change), and stops the server with the app."""
+    import httpx
+    from vllm_fixtures import vllm_venv
+
+    from clora_feedback.engine.factory import build_engine
+    from clora_feedback.engine.vllm import VLLMEngine
+    from clora_feedback.lora.peft_io import save_peft_adapter
+    from clora_feedback.lora.weights import random_lora_weights
+
+    settings = Settings(
+        data_dir=tmp_path / "var",
+        adapters_dir=tmp_path / "adapters",
+        engine=EngineConfig(
+            kind="vllm",
+            vllm={  # type: ignore[arg-type]
+                "startup_timeout_s": 600,
+                "local": {
+                    "enabled": True,
+                    "venv": vllm_venv(),
+                    "dtype": "float32",
+                    "kv_cache_gib": 1,
+                    "log_dir": tmp_path / "logs",
+                },
+            },
+            model=str(vllm_model_dir),
+            max_model_len=512,
+            max_num_seqs=4,
+            max_loras=2,
+        ),
+        agents=[AgentConfig(name="support", adapter_path=tmp_path / "mine")],
+        trainer=TrainerConfig(enabled=False),
+    )
+    limits = build_engine(settings.engine, vllm_model_dir, "tiny-base").lora_limits
+    weights = random_lora_weights(limits, seed=3, std=0.3, rank=8)
+    save_peft_adapter(weights, tmp_path / "mine", base_model="tiny-base")
+    service = build_service(settings)
+    engine = service.engine
+    assert isinstance(engine, VLLMEngine) and engine.supervisor is not None
+    supervisor = engine.supervisor
+    async with service.app.router.lifespan_context(service.app):
+        assert supervisor.pid is not None
+        transport = httpx.ASGITransport(app=service.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            reply = await client.post(
+                "/v1/chat/completions",
+                json={"model": "support", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4},
+            )  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["clora"]["adapter_version"] == 1
+        models = httpx.get(f"{supervisor.url}/v1/models").json()["data"]
+        [root] = [m["root"] for m in models if str(m["id"]).startswith("support@v1+")]
+        assert Path(root).is_relative_to(settings.adapters_dir.resolve())
+        assert Path(root).resolve() != (tmp_path / "mine").resolve()
+        assert "--logprobs-mode" in supervisor.command()
+    assert supervisor.pid is None
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{supervisor.url}/health", timeout=2.0)

@@ -138,6 +138,8 @@ def _fake_server(tokenizer: Any, *, processed: bool, tokenize_as: list[int] | No
         path = request.url.path
         if path == "/health":
             return httpx.Response(200)
+        if path == "/metrics":
+            return httpx.Response(404)
         if path == "/v1/models":
             entry = {"id": "tiny", "root": "/elsewhere", "parent": None, "max_model_len": 2048}
             return httpx.Response(200, json={"data": [entry]})
@@ -172,3 +174,66 @@ async def test_start_refuses_raw_logprobs_and_another_tokenizer(tiny_model_dir: 
         await _engine(
             tiny_model_dir, _fake_server(tokenizer, processed=True, tokenize_as=[1])
         ).start()
+
+
+def test_clora_serve_engine_vllm_without_a_url_supervises_a_local_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from clora_feedback import service
+    from clora_feedback.cli.main import main
+    from clora_feedback.config import Settings
+
+    seen: list[Settings] = []
+    monkeypatch.setattr(service, "serve", seen.append)
+    monkeypatch.setenv("CLORA_DATA_DIR", str(tmp_path))
+    assert main(["serve", "--engine", "vllm"]) == 0
+    local = seen[-1].engine.vllm.local
+    assert local.enabled and local.log_dir == tmp_path / "vllm"
+    urls = ["--vllm-url", "http://a:8000", "--vllm-url", "http://b:8000"]
+    assert main(["serve", "--engine", "vllm", *urls]) == 0
+    vllm = seen[-1].engine.vllm
+    assert vllm.urls == ["http://a:8000", "http://b:8000"] and not vllm.local.enabled
+
+
+def test_the_supervisor_runs_vllm_with_what_the_engine_needs(tmp_path: Path) -> None:
+    from clora_feedback.engine.vllm.supervisor import VLLMSupervisor, lora_rank_bucket
+
+    config = EngineConfig(
+        kind="vllm",
+        max_lora_rank=12,
+        max_loras=3,
+        vllm={"local": {"enabled": True, "venv": tmp_path / "venv", "kv_cache_gib": 3}},  # type: ignore[arg-type]
+    )
+    supervisor = VLLMSupervisor(tmp_path / "model", config)
+    command = supervisor.command()
+    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    assert command[:3] == [str((tmp_path / "venv" / "bin" / "vllm").resolve()), "serve",
+                           str(tmp_path / "model")]  # fmt: skip
+    assert "--enable-lora" in command and "--logprobs-mode" in command
+    assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert command[command.index("--max-lora-rank") + 1] == "16" == str(lora_rank_bucket(12))
+    assert command[command.index("--max-loras") + 1] == "3"
+    assert flags["--host"] == "127.0.0.1" and supervisor.url.endswith(f":{supervisor.port}")
+    env = supervisor.environment()
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and "VLLM_CPU_OMP_THREADS_BIND" in env
+
+
+async def test_the_supervisor_refuses_without_vllm_and_reports_a_crash_with_its_log(
+    tmp_path: Path,
+) -> None:
+    from clora_feedback.engine.vllm.supervisor import VLLMSupervisor
+
+    venv = tmp_path / "venv"
+    config = EngineConfig(
+        kind="vllm",
+        vllm={"startup_timeout_s": 60, "local": {"venv": venv, "log_dir": tmp_path / "logs"}},  # type: ignore[arg-type]
+    )
+    with pytest.raises(ConfigError, match=r"install_vllm\.sh"):
+        await VLLMSupervisor(tmp_path, config).start()
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "vllm"
+    fake.write_text("#!/bin/sh\necho 'ValueError: no such model' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(EngineUnavailableError, match=r"(?s)exited with 3.*no such model"):
+        await VLLMSupervisor(tmp_path, config).start()

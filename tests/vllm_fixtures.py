@@ -37,7 +37,7 @@ from clora_feedback.models.tiny import build_tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / "var" / "vllm-venv"
-STARTUP_TIMEOUT_S = 180.0
+STARTUP_TIMEOUT_S = 600.0  # a busy shared 2-core box has taken over 3 minutes
 SERVER_ARGS = (
     "--enable-lora",
     "--max-loras", "4",

@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=768, help="Engine context per sequence.")
     p.add_argument("--model", default="smollm2-135m-instruct", help="Base model name or directory.")
     p.add_argument("--model-cache", type=Path, default=None, help="Model cache (default var/models).")  # fmt: skip
+    p.add_argument("--engine", choices=["embedded", "vllm"], default="embedded",
+                   help="Serving engine; vllm needs --vllm-url (the trainer keeps its own copy).")  # fmt: skip
+    p.add_argument("--vllm-url", action="append", default=None, help="vLLM server (repeatable).")
     p.add_argument("--out", type=Path, default=Path("docs/results/experiments"), help="Output prefix.")  # fmt: skip
     p.add_argument("--work", type=Path, default=None, help="Scratch directory (default: temporary).")  # fmt: skip
     # Child-process plumbing (not for users).
@@ -235,7 +238,10 @@ def run(argv: Sequence[str]) -> int:
         batched_agents=args.batched_agents,
         num_threads=args.threads,
         max_model_len=args.max_model_len,
+        vllm_urls=tuple(args.vllm_url or ()) if args.engine == "vllm" else (),
     )
+    if args.engine == "vllm" and not cfg.vllm_urls:
+        raise SystemExit("--engine vllm needs --vllm-url (start one: clora serve --engine vllm)")
     model_dir = resolve_model_dir(args.model, args.model_cache or Settings().model_cache_dir)
     work = args.work or Path(tempfile.mkdtemp(prefix="clora-bench-experiments-"))
     work.mkdir(parents=True, exist_ok=True)

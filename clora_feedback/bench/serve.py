@@ -101,6 +101,12 @@ def parse_options(argv: list[str]) -> Options:
     parser.add_argument("--skip-gateway", action="store_true", help="Skip the HTTP overhead.")
     parser.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
     parser.add_argument(
+        "--engine",
+        default="embedded",
+        choices=["embedded", "vllm"],
+        help="`vllm`: the gateway on vLLM instead (`clora_feedback.bench.vllm_serve`).",
+    )
+    parser.add_argument(
         "--omp-wait-policy",
         default="passive",
         choices=OMP_WAIT_POLICIES,
@@ -344,6 +350,12 @@ def table(r: Results, o: Options) -> str:
 
 def run(argv: list[str]) -> int:
     """`clora bench serve ARGV`: run everything, print the table and machine facts."""
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--engine", default="embedded")
+    if engine.parse_known_args(argv)[0].engine == "vllm":  # the vLLM benchmarks
+        from clora_feedback.bench.vllm_serve import run as run_vllm
+
+        return run_vllm(argv)
     o = parse_options(argv)
     if o.threads:
         torch.set_num_threads(o.threads)

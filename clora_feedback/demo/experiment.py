@@ -77,6 +77,8 @@ class ExperimentConfig:
         max_num_seqs: engine decode batch.
         max_model_len: engine context (the KV cache is preallocated for it).
         num_threads: torch threads (None: all cores).
+        vllm_urls: serve on these vLLM servers (`engine.kind: vllm`) instead of the embedded
+            engine; the trainer then trains on its own copy of the base model.
     """
 
     workload: str = "support"
@@ -96,6 +98,7 @@ class ExperimentConfig:
     max_num_seqs: int = 32
     max_model_len: int = 768
     num_threads: int | None = None
+    vllm_urls: tuple[str, ...] = ()
 
     def workload_instance(self) -> Workload:
         cls = WORKLOADS[self.workload]
@@ -152,6 +155,14 @@ class AgentRun:
         return cls(**item)
 
 
+def _vllm_engine(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Engine settings for vLLM (none for the embedded engine); the deployer's watcher
+    polls often, as each synchronous step waits for the version it published."""
+    if not cfg.vllm_urls:
+        return {}
+    return {"kind": "vllm", "vllm": {"urls": list(cfg.vllm_urls)}, "adapter_poll_interval_s": 0.1}
+
+
 def service_settings(
     model_dir: Path, data_dir: Path, cfg: ExperimentConfig, agents: list[str]
 ) -> Settings:
@@ -173,6 +184,7 @@ def service_settings(
             max_model_len=cfg.max_model_len,
             max_lora_rank=max(16, cfg.rank),
             num_threads=cfg.num_threads,
+            **_vllm_engine(cfg),
         ),
         agents=[AgentConfig(name=a) for a in agents],
         feedback=FeedbackConfig(kafka=KafkaConfig(embedded_broker=False)),

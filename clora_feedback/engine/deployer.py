@@ -113,6 +113,7 @@ class Deployer(BackgroundTask):
         # Held by every move while it changes the engine; the trainer's thread holds it
         # only for one staged slot write (or its undo), so the event loop waits briefly.
         self._engine_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # for hand-offs from threads
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -120,6 +121,7 @@ class Deployer(BackgroundTask):
 
     async def start(self) -> None:
         """Bring every agent to its pointer, then follow the pointers in the background."""
+        self._loop = asyncio.get_running_loop()
         await self.reconcile()
         await super().start()
 
@@ -251,8 +253,9 @@ class Deployer(BackgroundTask):
         With an in-process engine, `ref.weights` go straight into its spare slot (no
         disk read; they must already fit `engine.lora_limits` and are never mutated
         afterwards). If the block raises (the registry refused the publish), the engine
-        goes back to what the pointer names. Other engines serve the version once the
-        watcher sees the pointer move. Thread-safe; blocking.
+        goes back to what the pointer names. Other engines (vLLM) are told to load the
+        version from its directory as soon as the block ends (the pointer moved); the
+        watcher is the fallback. Thread-safe; blocking.
         """
         engine, agent = self._in_memory, ref.agent
         with self._engine_lock:
@@ -275,6 +278,17 @@ class Deployer(BackgroundTask):
             raise
         with self._engine_lock:
             self._handoffs.pop(agent, None)
+        if engine is None and self._loop is not None and not self._loop.is_closed():
+            # An engine that loads from the registry's directory (vLLM): load the version
+            # now rather than at the watcher's next poll, which adds up to poll_interval_s.
+            asyncio.run_coroutine_threadsafe(self._nudge(agent), self._loop)
+
+    async def _nudge(self, agent: str) -> None:
+        try:
+            await self.sync(agent)
+        except CloraError as exc:  # the watcher retries
+            log.warning("deployer: agent %s: loading the new version failed: %s", agent,
+                        exc.message)  # fmt: skip
 
     def _revert_in_memory(self, agent: str, previous: tuple[int, LoRAWeights] | None) -> None:
         engine = self._in_memory

@@ -27,7 +27,7 @@ def build_engine(config: EngineConfig, model_dir: Path, model_name: str) -> Engi
 
     Raises:
         ConfigError: an unknown kind, or settings the kind cannot work with
-            (e.g. `vllm` without `engine.vllm.urls`).
+            (e.g. `vllm` without `engine.vllm.urls` or `engine.vllm.local.enabled`).
     """
     if config.kind == "embedded":
         # Imported here: torch and the model load only when this engine is chosen.
@@ -36,6 +36,12 @@ def build_engine(config: EngineConfig, model_dir: Path, model_name: str) -> Engi
         return EmbeddedEngine(model_dir, config, model_name=model_name)
     if config.kind == "vllm":
         from clora_feedback.engine.vllm import VLLMEngine
+        from clora_feedback.engine.vllm.supervisor import VLLMSupervisor
 
-        return VLLMEngine(model_dir, config, model_name=model_name)
+        supervisor = None
+        if not config.vllm.urls and config.vllm.local.enabled:  # one local server of our own
+            supervisor = VLLMSupervisor(
+                model_dir, config, served_model_name=config.vllm.served_model_name
+            )
+        return VLLMEngine(model_dir, config, model_name=model_name, supervisor=supervisor)
     raise ConfigError(f"unknown engine.kind {config.kind!r}", param="engine.kind")

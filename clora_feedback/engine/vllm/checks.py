@@ -3,18 +3,20 @@
 `VLLMEngine.start` runs these after picking the served model, and refuses the
 server with a `ConfigError` that says what to change:
 
-- `check_root`: when the server's model directory is visible here too, its
-  `config.json` must equal ours (two models can share a tokenizer; the tokenizer
-  itself is checked through `/tokenize` by the engine);
+- `check_server`: it serves the wanted base model, whose tokenizer (through
+  `/tokenize`) and, when its directory is visible here too, `config.json`
+  (`check_root`: two models can share a tokenizer) equal ours;
 - `check_logprobs_mode`: vLLM reports its `--logprobs-mode` nowhere in its API,
   so a probe reads it (see the function).
 
-Not here: the HTTP calls (see `client`), choosing the served model (see `engine`).
+Not here: the HTTP calls (see `client`), when the checks run (see `engine`, `replicas`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,63 @@ from transformers import PreTrainedTokenizerBase
 from clora_feedback.engine.vllm.client import VLLMClient
 from clora_feedback.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
+TOKENIZER_PROBE = 'Hello, clora-feedback! 12345 ünïcödé 🙂\n<tool_call>{"name": "x"}'
+"""Text whose token ids the server's tokenizer must reproduce exactly."""
+
 LOGPROB_PROBES = ("The capital of France is", "1, 2, 3,", "Once upon a time")
 """Prompts whose next-token distribution the logprobs probe reads (the base model's)."""
+
+
+@dataclass(frozen=True)
+class ServedBase:
+    """The base model a server serves: its name there and its context (if it says)."""
+
+    name: str
+    max_model_len: int | None
+
+
+async def check_server(
+    client: VLLMClient,
+    model_dir: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    wanted: str | None,
+) -> ServedBase:
+    """Pick the served base model (`wanted`, else the only one) and check it is ours.
+
+    Raises:
+        ConfigError: no such model, several without `wanted`, or another model/tokenizer.
+    """
+    url = client.base_url
+    bases = [m for m in await client.models() if not m.get("parent")]
+    ids = [str(m.get("id")) for m in bases]
+    if wanted is None and len(bases) != 1:
+        raise ConfigError(
+            f"the vLLM server at {url} serves {ids}; name one in engine.vllm.served_model_name",
+            param="engine.vllm.served_model_name",
+        )
+    entry = bases[0] if wanted is None else next((m for m in bases if m.get("id") == wanted), None)
+    if entry is None:
+        raise ConfigError(
+            f"the vLLM server at {url} does not serve {wanted!r} (it serves {ids})",
+            param="engine.vllm.served_model_name",
+        )
+    served = str(entry["id"])
+    check_root(entry.get("root"), model_dir, url)
+    theirs = await client.tokenize(served, TOKENIZER_PROBE)
+    ours = list(tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False))
+    if theirs is None:
+        log.warning("vLLM server %s has no /tokenize: the tokenizer is not checked", url)
+    elif theirs != ours:
+        raise ConfigError(
+            f"the vLLM server at {url} serves {served!r} (from {entry.get('root')}), whose "
+            f"tokenizer differs from engine.model ({model_dir}); start vLLM on the same model "
+            "directory",
+            param="engine.model",
+        )
+    length = entry.get("max_model_len")
+    return ServedBase(served, length if isinstance(length, int) else None)
 
 
 def check_root(root: Any, model_dir: Path, url: str) -> None:

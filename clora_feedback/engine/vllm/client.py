@@ -135,13 +135,19 @@ class VLLMClient:
 
     # -- server facts ---------------------------------------------------------------
 
-    async def healthy(self) -> bool:
-        """Whether `/health` answers 200 (False on any failure)."""
+    async def healthy(self, timeout_s: float | None = None) -> bool:
+        """Whether `/health` answers 200 within `timeout_s` (default: the read timeout)."""
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
         try:
-            response = await self._http.get("/health")
+            response = await self._http.get("/health", timeout=timeout)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
+
+    async def metrics_text(self) -> str | None:
+        """`GET /metrics` (Prometheus text), or None when the server has none."""
+        response = await self._call("GET", "/metrics")
+        return response.text if response.status_code == 200 else None
 
     async def models(self) -> list[dict[str, Any]]:
         """`GET /v1/models`: the `data` entries (base models and loaded adapters)."""
@@ -173,6 +179,8 @@ class VLLMClient:
         if response.status_code == 200:
             return
         message = _server_message(response)
+        if response.status_code == 400 and "already been loaded" in message:
+            return  # names are never reused: this very version is there (reconnect, retry)
         if response.status_code == 404 and "Not Found" in message:
             raise AdapterError(
                 f"the vLLM server at {self.base_url} has no runtime adapter routes: start it "

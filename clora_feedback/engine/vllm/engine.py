@@ -1,4 +1,4 @@
-"""`VLLMEngine`: the `Engine` Protocol over a vLLM OpenAI server, driven by prompt token ids.
+"""`VLLMEngine`: the `Engine` Protocol over vLLM OpenAI servers, driven by prompt token ids.
 
 The gateway keeps the chat template, tool rendering and trajectory capture; this
 engine only turns one `GenerationRequest` into one streamed `/v1/completions`
@@ -11,18 +11,27 @@ same rules as the embedded engine (`detok`), so the gateway parses both alike.
 Adapters: each version is loaded under a fresh name (`names`) from its PEFT
 directory; a request keeps the name it was admitted under to its end, so every
 token of it carries that version (`capabilities.per_token_versions` is false);
-an old name is unloaded after its last request. A name the server has lost
-(it restarted) fails its request with a retriable 503 and is loaded again.
-Abort closes the HTTP stream (vLLM aborts a request whose client disconnects).
+an old name is unloaded after its last request. A name a server has lost
+(it restarted) fails its request with a retriable 503 and is loaded again on
+next use. Abort closes the HTTP stream (vLLM aborts a request whose client
+disconnects).
+
+Replicas (`engine.vllm.urls`, see `replicas`): a request goes to its agent's
+home replica (rendezvous hashing), spilling over when that one is down or full,
+and the adapter is loaded there on first use; a replica that stops answering
+`/health` is taken out and its in-flight requests fail at once with a retriable
+503 (`EngineUnavailableError`), never a hang.
 
 `start` refuses a server that cannot give what capture promises: it must serve
 the same model as `engine.model` (the same tokenizer, checked through
 `/tokenize`, and the same `config.json` when its directory is visible here) and report
 behaviour logprobs of the distribution sampled from (`--logprobs-mode
-processed_logprobs`, checked by a probe, see `checks`).
+processed_logprobs`, checked by a probe, see `checks`). Every replica passes
+these checks before it gets requests, at start and when it comes back.
 
 Not here: HTTP details and error translation (see `client`), the name
-bookkeeping (see `names`), several replicas (one URL serves today).
+bookkeeping (see `names`), placement and health (see `replicas`), starting a
+server (see `supervisor`).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +59,18 @@ from clora_feedback.engine.types import (
     FinishReason,
     GenerationRequest,
     RequestOutput,
-    TokenEvent,
 )
-from clora_feedback.engine.vllm.checks import check_logprobs_mode, check_root
+from clora_feedback.engine.vllm.checks import check_logprobs_mode, check_server
+from clora_feedback.engine.vllm.chunks import chunk_tokens
 from clora_feedback.engine.vllm.client import ADAPTER_MISSING, VLLMClient
 from clora_feedback.engine.vllm.guided import structured_outputs
 from clora_feedback.engine.vllm.names import AdapterNames, Lease, ServedName
+from clora_feedback.engine.vllm.replicas import (
+    Replica,
+    ReplicaSet,
+    max_loras_from_metrics,
+)
+from clora_feedback.engine.vllm.supervisor import VLLMSupervisor
 from clora_feedback.errors import (
     AdapterError,
     CloraError,
@@ -80,42 +95,33 @@ CAPABILITIES = EngineCapabilities(
     constraints=frozenset({"json_schema", "tool_call"}),
 )
 
-_TOKENIZER_PROBE = 'Hello, clora-feedback! 12345 ünïcödé 🙂\n<tool_call>{"name": "x"}'
 _FINISH: Mapping[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 @dataclass(eq=False)
 class _Flight:
-    task: asyncio.Task[None]
     lease: Lease
+    task: asyncio.Task[None] = field(init=False)
+    replica: Replica | None = None  # set once placed
+    failure: CloraError | None = None  # why it was cancelled, when not an abort
 
 
-def _top(entry: Any, k: int) -> tuple[tuple[int, float], ...]:
-    """The `k` most likely (token id, logprob) of one position's `top_logprobs` dict."""
-    if k <= 0 or not isinstance(entry, dict):
-        return ()
-    pairs = [(_token_id(key), float(value)) for key, value in entry.items()]
-    pairs.sort(key=lambda p: -p[1])
-    return tuple(pairs[:k])
-
-
-def _token_id(text: str) -> int:
-    """`token_id:123` (vLLM's `return_tokens_as_token_ids` form) -> 123."""
-    try:
-        return int(str(text).removeprefix("token_id:"))
-    except ValueError as exc:
-        raise EngineError("the vLLM server sent a logprob for an unnamed token") from exc
+@dataclass(frozen=True)
+class _Ending:
+    reason: FinishReason
+    tail: str  # the text the detokenizer still held
 
 
 class VLLMEngine:
-    """`Engine` backed by one vLLM OpenAI server (the first of `engine.vllm.urls`).
+    """`Engine` backed by vLLM OpenAI servers (`engine.vllm.urls`, one per replica).
 
     Args:
         model_dir: the base model's directory (the tokenizer and the LoRA limits are
-            read from it); the server must serve the same model.
-        config: the engine settings (`config.vllm` names the server).
+            read from it); the servers must serve the same model.
+        config: the engine settings (`config.vllm` names the servers).
         model_name: the public name of the base model (`/v1/models`).
-        transport: an httpx transport instead of the network (tests).
+        transport: an httpx transport instead of the network (tests; shared by replicas).
+        supervisor: a local server to start first and stop last (its URL is the replica).
     """
 
     def __init__(
@@ -125,14 +131,21 @@ class VLLMEngine:
         *,
         model_name: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        supervisor: VLLMSupervisor | None = None,
     ) -> None:
-        if not config.vllm.urls:
+        urls = list(config.vllm.urls) or ([supervisor.url] if supervisor is not None else [])
+        if not urls:
             raise ConfigError(
-                "engine.kind 'vllm' needs engine.vllm.urls (the vLLM servers' base URLs)",
+                "engine.kind 'vllm' needs engine.vllm.urls (the vLLM servers' base URLs), or "
+                "engine.vllm.local.enabled to start a local server",
                 param="engine.vllm.urls",
             )
         self.config = config
-        self.url = config.vllm.urls[0]
+        self.supervisor = supervisor
+        self.urls = [u.rstrip("/").removesuffix("/v1") for u in urls]
+        if len(set(self.urls)) != len(self.urls):
+            raise ConfigError("engine.vllm.urls lists a server twice", param="engine.vllm.urls")
+        self.url = self.urls[0]
         self.model_dir = Path(model_dir)
         self._model_name = model_name or self.model_dir.name
         model = ModelConfig.from_dir(self.model_dir)
@@ -150,12 +163,12 @@ class VLLMEngine:
         self.eos_token_ids = frozenset(eos)
         self._max_len = min(config.max_model_len, model.max_position_embeddings)
         self._names = AdapterNames()
-        self._client: VLLMClient | None = None
+        self._replicas: ReplicaSet | None = None
+        self._health: asyncio.Task[None] | None = None
         self._transport = transport
-        self._served_model = ""
+        self._served_model = config.vllm.served_model_name or ""
         self._flights: dict[str, _Flight] = {}
-        self._unloads: set[asyncio.Task[None]] = set()  # unloads and reloads under way
-        self._reloading: set[str] = set()
+        self._unloads: set[asyncio.Task[None]] = set()  # unloads and health checks under way
         self._adapter_lock = asyncio.Lock()
         self._chunks = 0
         self._generated = 0
@@ -186,104 +199,142 @@ class VLLMEngine:
 
     @property
     def served_model(self) -> str:
-        """The base model's name on the server (known after `start`)."""
+        """The base model's name on the servers (known after `start`)."""
         return self._served_model
 
+    @property
+    def replicas(self) -> ReplicaSet:
+        """The replica set (after `start`): health, placement, loaded names."""
+        return self._started()
+
     async def start(self) -> None:
-        """Connect, and refuse a server on another model or with the wrong logprobs mode.
+        """Connect to every replica; refuse one on another model or with the wrong logprobs mode.
+
+        Replicas that do not answer `/health` within `startup_timeout_s` start out of
+        service (the health poll admits them when they answer); at least one must answer.
 
         Raises:
-            EngineUnavailableError: `/health` did not answer within `startup_timeout_s`.
+            EngineUnavailableError: no replica answered `/health` within `startup_timeout_s`.
             ConfigError: another model or tokenizer, or logprobs not `processed_logprobs`.
         """
         cfg = self.config.vllm
-        self._client = VLLMClient(
-            self.url,
+        if self.supervisor is not None:
+            await self.supervisor.start()
+        fallback = cfg.max_loras or self.config.max_loras
+        replicas = [
+            Replica(url, self._new_client(url), fallback) for url in self.urls
+        ]  # fmt: skip
+        self._replicas = ReplicaSet(
+            replicas,
+            on_down=self._fail_flights_on,
+            admit=self._admit,
+            wanted=self._names.find,
+            ours=self._names.is_ours,
+            health_timeout_s=cfg.health_timeout_s,
+            queue_timeout_s=cfg.read_timeout_s,
+            health_failures=cfg.health_failures,
+        )
+        try:
+            healthy = await self._wait_healthy(replicas, cfg.startup_timeout_s)
+            for replica in healthy:
+                await self._replicas.bring_up(replica)
+        except BaseException:
+            await self._close_clients()
+            if self.supervisor is not None:
+                await self.supervisor.stop()
+            raise
+        self._health = asyncio.get_running_loop().create_task(
+            self._replicas.run(cfg.health_interval_s)
+        )
+        log.info(
+            "vLLM engine: %d of %d replicas serve %s (context %d): %s",
+            len(healthy), len(replicas), self._served_model, self._max_len,
+            ", ".join(r.url for r in healthy),
+        )  # fmt: skip
+
+    def _new_client(self, url: str) -> VLLMClient:
+        cfg = self.config.vllm
+        return VLLMClient(
+            url,
             api_key=cfg.api_key,
             connect_timeout_s=cfg.connect_timeout_s,
             read_timeout_s=cfg.read_timeout_s,
             transport=self._transport,
         )
-        try:
-            await self._wait_healthy(cfg.startup_timeout_s)
-            await self._check_model()
-            await check_logprobs_mode(self._started(), self._tokenizer, self._served_model)
-        except BaseException:
-            await self._client.close()
-            self._client = None
-            raise
-        log.info(
-            "vLLM engine: %s serves %s (context %d)", self.url, self._served_model, self._max_len
-        )
 
     async def stop(self) -> None:
         """Abort what is in flight and unload every adapter name this engine loaded."""
-        client = self._client
-        if client is None:
+        replicas = self._replicas
+        if replicas is None:
             return
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+            self._health = None
         flights = list(self._flights.values())
         for flight in flights:
             flight.task.cancel()
         await asyncio.gather(*(f.task for f in flights), return_exceptions=True)
         await asyncio.gather(*self._unloads, return_exceptions=True)
         for served in self._names.everything():
-            with contextlib.suppress(CloraError):
-                await client.unload_lora(served.name)
+            await replicas.unload_everywhere(served)
         self._names.clear()
-        self._client = None
-        await client.close()
+        await self._close_clients()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
 
-    def _started(self) -> VLLMClient:
-        if self._client is None:
+    async def _close_clients(self) -> None:
+        replicas, self._replicas = self._replicas, None
+        for replica in replicas.replicas if replicas is not None else []:
+            if isinstance(replica.client, VLLMClient):
+                await replica.client.close()
+
+    def _started(self) -> ReplicaSet:
+        if self._replicas is None:
             raise EngineError("the vLLM engine is not started")
-        return self._client
+        return self._replicas
 
-    async def _wait_healthy(self, timeout_s: float) -> None:
-        client = self._started()
+    async def _wait_healthy(self, replicas: list[Replica], timeout_s: float) -> list[Replica]:
+        """The replicas answering `/health` once every one does or `timeout_s` passed
+        (the rest join later); raises when none does."""
         deadline = time.monotonic() + timeout_s
-        while not await client.healthy():
+        while True:
+            timeout = self.config.vllm.health_timeout_s
+            answers = await asyncio.gather(*(r.client.healthy(timeout) for r in replicas))
+            healthy = [r for r, ok in zip(replicas, answers, strict=True) if ok]
+            if len(healthy) == len(replicas) or (healthy and time.monotonic() > deadline):
+                return healthy
             if time.monotonic() > deadline:
                 raise EngineUnavailableError(
-                    f"the vLLM server at {self.url} did not answer /health within {timeout_s:.0f} s"
+                    f"no vLLM server of {', '.join(self.urls)} answered /health within "
+                    f"{timeout_s:.0f} s"
                 )
             await asyncio.sleep(0.5)
 
-    async def _check_model(self) -> None:
-        """Pick the served base model and check it tokenizes exactly as `engine.model`."""
-        client = self._started()
-        bases = [m for m in await client.models() if not m.get("parent")]
-        wanted = self.config.vllm.served_model_name
-        ids = [str(m.get("id")) for m in bases]
-        if wanted is None and len(bases) != 1:
-            raise ConfigError(
-                f"the vLLM server at {self.url} serves {ids}; name one in "
-                "engine.vllm.served_model_name",
-                param="engine.vllm.served_model_name",
-            )
-        entry = (
-            bases[0] if wanted is None else next((m for m in bases if m.get("id") == wanted), None)
-        )
-        if entry is None:
-            raise ConfigError(
-                f"the vLLM server at {self.url} does not serve {wanted!r} (it serves {ids})",
-                param="engine.vllm.served_model_name",
-            )
-        self._served_model = str(entry["id"])
-        server_len = entry.get("max_model_len")
-        if isinstance(server_len, int):
-            self._max_len = min(self._max_len, server_len)
-        check_root(entry.get("root"), self.model_dir, self.url)
-        theirs = await client.tokenize(self._served_model, _TOKENIZER_PROBE)
-        ours = list(self._tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=False))
-        if theirs is None:
-            log.warning("vLLM server %s has no /tokenize: the tokenizer is not checked", self.url)
-        elif theirs != ours:
-            raise ConfigError(
-                f"the vLLM server at {self.url} serves {self._served_model!r} (from "
-                f"{entry.get('root')}), whose tokenizer differs from engine.model "
-                f"({self.model_dir}); start vLLM on the same model directory",
-                param="engine.model",
-            )
+    async def _admit(self, replica: Replica) -> None:
+        """The start-up checks of one replica (also when it comes back): same model and
+        tokenizer, processed logprobs; learn its context and `--max-loras`."""
+        client = replica.client
+        if not isinstance(client, VLLMClient):
+            return  # a test's fake replica: nothing to check
+        wanted = self.config.vllm.served_model_name or self._served_model or None
+        base = await check_server(client, self.model_dir, self._tokenizer, wanted)
+        await check_logprobs_mode(client, self._tokenizer, base.name)
+        self._served_model = base.name
+        if base.max_model_len is not None:
+            self._max_len = min(self._max_len, base.max_model_len)
+        reported = max_loras_from_metrics(await client.metrics_text())
+        if reported is not None:
+            replica.max_loras = reported
+
+    def _fail_flights_on(self, replica: Replica) -> None:
+        """A replica was taken out: its requests fail now with a retriable 503."""
+        for flight in list(self._flights.values()):
+            if flight.replica is replica and not flight.task.done():
+                flight.failure = EngineUnavailableError(
+                    f"the vLLM server at {replica.url} stopped answering; retry shortly"
+                )
+                flight.task.cancel()
 
     # -- Engine Protocol: requests ---------------------------------------------------
 
@@ -304,8 +355,9 @@ class VLLMEngine:
         body["model"] = self._served_model if lease.served is None else lease.served.name
         loop = asyncio.get_running_loop()
         stream = RequestStreamImpl(request.request_id, loop, self.abort)
-        task = loop.create_task(self._run(request, body, lease, stream))
-        self._flights[request.request_id] = _Flight(task, lease)
+        flight = _Flight(lease)
+        flight.task = loop.create_task(self._run(request, body, flight, stream))
+        self._flights[request.request_id] = flight
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -337,6 +389,7 @@ class VLLMEngine:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self._vocab})", param="prompt"
             )
+        sp.check(self._vocab)
         check_supported(request.guided, CAPABILITIES)
         body: dict[str, Any] = {
             "prompt": list(prompt),
@@ -352,7 +405,19 @@ class VLLMEngine:
             "skip_special_tokens": True,
         }
         if sp.seed is not None:
-            body["seed"] = sp.seed
+            # vLLM takes a signed 64-bit seed and reads -1 as "unseeded": drop the top bit of
+            # our unsigned seed, which keeps the n consecutive choice seeds distinct.
+            body["seed"] = sp.seed & (2**63 - 1)
+        if sp.top_k:
+            body["top_k"] = sp.top_k
+        if sp.min_tokens:
+            body["min_tokens"] = sp.min_tokens
+        if sp.presence_penalty:
+            body["presence_penalty"] = sp.presence_penalty
+        if sp.frequency_penalty:
+            body["frequency_penalty"] = sp.frequency_penalty
+        if sp.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in sp.logit_bias}  # JSON keys: strings
         if sp.stop:
             body["stop"] = list(sp.stop)  # vLLM stops too; the text is cut here (`Detokenizer`)
         if request.guided is not None:
@@ -363,38 +428,62 @@ class VLLMEngine:
         self,
         request: GenerationRequest,
         body: dict[str, Any],
-        lease: Lease,
+        flight: _Flight,
         stream: RequestStreamImpl,
     ) -> None:
-        rid, prompt_len = request.request_id, len(request.prompt_token_ids)
-        detok = Detokenizer(self._tokenizer, request.sampling.stop)
-        reason: FinishReason | None = None
+        rid, prompt_len, lease = request.request_id, len(request.prompt_token_ids), flight.lease
+        replicas = self._started()
+        replica: Replica | None = None
         try:
-            async with contextlib.aclosing(self._started().stream(body)) as chunks:
-                async for chunk in chunks:
-                    reason = self._on_chunk(chunk, request, lease, detok, stream)
-                    if reason is not None:
-                        break  # closing the stream (aclosing) makes vLLM stop generating
-            if reason is None:
-                raise EngineUnavailableError(
-                    f"the vLLM server at {self.url} ended the stream early"
-                )
-            tail = detok.flush()
-            stream.push(RequestOutput(rid, [], tail, True, reason, prompt_len))
-        except asyncio.CancelledError:  # aborted (by the consumer or by `stop`)
-            stream.push(RequestOutput(rid, [], "", True, "abort", prompt_len))
+            replica = await replicas.place(lease.served, request.agent or rid)
+            flight.replica = replica
+            reason = await self._stream(replica, request, body, lease, stream)
+            stream.push(RequestOutput(rid, [], reason.tail, True, reason.reason, prompt_len))
+        except asyncio.CancelledError:  # aborted (by the consumer or by `stop`), or replica out
+            if flight.failure is not None:
+                stream.push(flight.failure)
+            else:
+                stream.push(RequestOutput(rid, [], "", True, "abort", prompt_len))
         except CloraError as exc:
-            if exc.code == ADAPTER_MISSING and lease.served is not None:
-                self._reload_later(lease.served)
+            if replica is not None and isinstance(exc, EngineUnavailableError):
+                self._on_unavailable(replica, exc, lease)
             stream.push(exc)
         except Exception as exc:  # a bug here must fail the request, not hang it
             log.exception("vLLM request %s failed", rid)
             stream.push(EngineError(f"the vLLM request failed: {exc!r}"))
         finally:
             self._flights.pop(rid, None)
+            if replica is not None:
+                replicas.release(replica, lease.served)
             drained = self._names.release(lease)
             if drained is not None:
-                self._unload_later(drained)
+                self._background(replicas.unload_everywhere(drained))
+
+    async def _stream(
+        self,
+        replica: Replica,
+        request: GenerationRequest,
+        body: dict[str, Any],
+        lease: Lease,
+        stream: RequestStreamImpl,
+    ) -> _Ending:
+        detok = Detokenizer(self._tokenizer, request.sampling.stop)
+        client = replica.client
+        assert isinstance(client, VLLMClient), "requests go to real clients only"
+        async with contextlib.aclosing(client.stream(body)) as chunks:
+            async for chunk in chunks:
+                reason = self._on_chunk(chunk, request, lease, detok, stream)
+                if reason is not None:  # closing the stream (aclosing) makes vLLM stop
+                    return _Ending(reason, detok.flush())
+        raise EngineUnavailableError(f"the vLLM server at {replica.url} ended the stream early")
+
+    def _on_unavailable(self, replica: Replica, exc: CloraError, lease: Lease) -> None:
+        """A replica failed a request: a lost name is loaded again on next use; anything
+        else may be a dead server, so check its health now rather than at the next poll."""
+        if exc.code == ADAPTER_MISSING and lease.served is not None:
+            self._started().forget(replica, lease.served.name)
+        else:
+            self._background(self._started().check(replica, suspect=True))
 
     def _on_chunk(
         self,
@@ -410,7 +499,9 @@ class VLLMEngine:
             return None
         choice = choices[0]
         stop_ids = self._stop_ids(request)
-        events, text, reason = self._tokens(choice, lease.version, detok, stop_ids, request)
+        k = request.sampling.top_logprobs
+        events, text, reason = chunk_tokens(choice, lease.version, detok, stop_ids, k)
+        self._generated += len(events)
         self._chunks += 1
         if events or text:
             stream.push(
@@ -427,48 +518,17 @@ class VLLMEngine:
                 raise EngineError("the vLLM server ended the request with an error")
         return reason
 
-    def _tokens(
-        self,
-        choice: Mapping[str, Any],
-        version: int,
-        detok: Detokenizer,
-        stop_ids: frozenset[int],
-        request: GenerationRequest,
-    ) -> tuple[list[TokenEvent], str, FinishReason | None]:
-        """One chunk's tokens as events, their final text, and "stop" if one ended the request."""
-        ids = choice.get("token_ids") or []
-        logprobs = choice.get("logprobs") or {}
-        values = logprobs.get("token_logprobs") or []
-        tops = logprobs.get("top_logprobs") or []
-        if len(values) != len(ids):
-            raise EngineError("the vLLM server sent tokens without their logprobs")
-        k = request.sampling.top_logprobs
-        events: list[TokenEvent] = []
-        text = ""
-        for i, token_id in enumerate(ids):
-            value = values[i]
-            if value is None:
-                raise EngineError("the vLLM server sent a token without its logprob")
-            top = _top(tops[i], k) if i < len(tops) else ()
-            events.append(TokenEvent(int(token_id), float(value), version, top))
-            self._generated += 1
-            if token_id in stop_ids:
-                return events, text, "stop"  # kept as a token (the policy chose it), no text
-            delta, hit_stop = detok.add(int(token_id))
-            text += delta
-            if hit_stop:
-                return events, text, "stop"
-        return events, text, None
-
     # -- Engine Protocol: adapters ---------------------------------------------------
 
     async def load_adapter(self, ref: AdapterRef) -> None:
-        """Load `ref.path` under a fresh name; new requests get it once the server has it.
+        """Load `ref.path` under a fresh name; new requests get it once a server has it.
 
-        The directory is validated here first (against `lora_limits`), and must be
-        readable by the server at the same path (same machine or shared storage).
+        It is loaded on the agent's home replica and on every replica its previous
+        version is loaded on (elsewhere on first use). The directory is validated here
+        first (against `lora_limits`), and must be readable by the servers at the same
+        path (same machine or shared storage): a server that cannot read it refuses it.
         """
-        client = self._started()
+        replicas = self._started()
         if ref.path is None:
             raise AdapterError(f"adapter {ref.agent} v{ref.version} has no directory to load")
         path = Path(ref.path).resolve()
@@ -477,55 +537,25 @@ class VLLMEngine:
             live = self._names.live(ref.agent)
             if live is not None and live.version == ref.version and live.path == path:
                 return
-            name = self._names.new_name(ref.agent, ref.version)
-            await client.load_lora(name, str(path))
-            drained = self._names.publish(ServedName(ref.agent, ref.version, name, path))
+            served = ServedName(
+                ref.agent, ref.version, self._names.new_name(ref.agent, ref.version), path
+            )
+            await replicas.load_where_needed(served, live)
+            drained = self._names.publish(served)
             if drained is not None:
-                await self._unload(drained)
-        log.info("vLLM engine: agent %s serves v%d as %s", ref.agent, ref.version, name)
+                await replicas.unload_everywhere(drained)
+        log.info("vLLM engine: agent %s serves v%d as %s", ref.agent, ref.version, served.name)
 
     async def unload_adapter(self, agent: str) -> None:
-        self._started()
+        replicas = self._started()
         async with self._adapter_lock:
             drained = self._names.withdraw(agent)
             if drained is not None:
-                await self._unload(drained)
+                await replicas.unload_everywhere(drained)
 
     def adapter_version(self, agent: str) -> int | None:
         served = self._names.live(agent)
         return None if served is None else served.version
-
-    async def _unload(self, served: ServedName) -> None:
-        client = self._client
-        if client is None:
-            return
-        try:
-            await client.unload_lora(served.name)
-        except CloraError as exc:  # the server forgets it on restart anyway
-            log.warning("vLLM engine: could not unload %s: %s", served.name, exc.message)
-
-    async def _reload(self, served: ServedName) -> None:
-        """Load `served` again under its own name (same version, same directory): the server
-        lost it, e.g. it restarted; nothing of it is cached there any more."""
-        client = self._client
-        if client is None or served.retired:
-            return
-        try:
-            await client.load_lora(served.name, str(served.path))
-            log.warning("vLLM engine: reloaded %s, which the server had lost", served.name)
-        except CloraError as exc:  # e.g. already reloaded by another request, or still down
-            log.warning("vLLM engine: could not reload %s: %s", served.name, exc.message)
-        finally:
-            self._reloading.discard(served.name)
-
-    def _reload_later(self, served: ServedName) -> None:
-        if served.name in self._reloading:
-            return
-        self._reloading.add(served.name)
-        self._background(self._reload(served))
-
-    def _unload_later(self, served: ServedName) -> None:
-        self._background(self._unload(served))
 
     def _background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -122,6 +122,14 @@ class AdapterNames:
             return served
         return None
 
+    def find(self, name: str) -> ServedName | None:
+        """The live or draining name `name` (a server-side adapter name), if any."""
+        return next((s for s in self.everything() if s.name == name), None)
+
+    def is_ours(self, name: str) -> bool:
+        """Whether `name` was made by this instance (`new_name`)."""
+        return name.rpartition("+")[2].startswith(f"{self.tag}.")
+
     def everything(self) -> list[ServedName]:
         """Every name still on the server (live and draining), e.g. to unload at stop."""
         return [*self._live.values(), *self._draining]

@@ -1,0 +1,347 @@
+"""`clora bench serve --engine vllm`: the gateway on vLLM, as ratios taken within one run.
+
+Three measurements against one vLLM OpenAI server (`--vllm-url`, else a local
+one started by `VLLMSupervisor` on `--model`):
+
+1. gateway vs vLLM's own server, same requests: `--streams` concurrent chat
+   completions through the gateway (HTTP, on the vLLM engine) vs the same
+   prompts sent straight to vLLM's `/v1/completions` as the token ids the
+   gateway renders, with the body the engine sends (streamed, `logprobs: 0`,
+   `return_token_ids`); tokens/s ratio (goal >= 0.95x), and the p50 latency
+   the gateway adds to a one-token completion (median over alternating
+   pairs; goal < 2 ms);
+2. 8 rows on 8 adapters vs 8 rows on one adapter through the gateway, as
+   decode steps per second: steps are the longest row's completion tokens
+   (random adapters can stop rows early, so tokens would flatter one side);
+   prompt and prefill identical on both sides (goal >= 0.9x);
+3. publish latency: the new version's weights in hand (the end of the
+   optimizer step) -> the registry's directory written (`registry.publish`,
+   what the trainer does) -> loaded by the deployer into vLLM under a fresh
+   name (`Deployer.sync`) -> the first token of a request served by it
+   (goal < 500 ms). The trainer itself relies on the deployer's watcher,
+   which adds up to `engine.adapter_poll_interval_s` between the write and
+   the load; that wait is reported apart.
+
+All requests are greedy with EOS ignored, so both sides of a ratio do the
+same work. Not a test: nothing here asserts, and pytest never collects it.
+
+Not here: the embedded engine's serving benchmarks (see `serve`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clora_feedback.bench.gateway import _uvicorn_thread
+from clora_feedback.config import DEFAULT_MODEL, AgentConfig, EngineConfig, Settings
+from clora_feedback.engine.types import GenerationRequest, SamplingParams
+from clora_feedback.engine.vllm import VLLMEngine
+from clora_feedback.engine.vllm.supervisor import VLLMSupervisor
+from clora_feedback.lora.peft_io import save_peft_adapter
+from clora_feedback.lora.weights import random_lora_weights
+
+PROMPTS = tuple(
+    f"Customer {i}: my order #{1000 + i} arrived with a {part} missing. What should I do?"
+    for i, part in enumerate(("pedal", "chain", "saddle", "bell", "light", "lock", "pump", "tube"))
+)
+AGENTS = tuple(f"agent{i}" for i in range(8))
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to run.
+
+    Attributes:
+        model: model spec (the default name or a HF directory).
+        cache_dir: model cache.
+        url: an existing vLLM server (None: start one locally).
+        dtype: the local server's dtype.
+        new_tokens: tokens per request (1. throughput, 2.).
+        streams: concurrent requests in 1.
+        latency_reps: measured one-token pairs in 1.
+        publishes: publishes measured in 3. (median kept).
+        json_path: also write the results here.
+    """
+
+    model: str
+    cache_dir: Path
+    url: str | None
+    dtype: str
+    new_tokens: int
+    streams: int
+    latency_reps: int
+    publishes: int
+    json_path: Path | None
+
+
+def parse_options(argv: Sequence[str]) -> Options:
+    p = argparse.ArgumentParser(prog="clora bench serve --engine vllm", description=__doc__.split("\n")[0])  # fmt: skip
+    p.add_argument("--engine", choices=["vllm"], default="vllm", help="This benchmark's engine.")
+    p.add_argument("--quick", action="store_true", help="Fewer tokens and repetitions.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Model spec (default: %(default)s).")
+    p.add_argument("--cache-dir", type=Path, default=Path("var/models"), help="Model cache.")
+    p.add_argument("--vllm-url", default=None, help="A running vLLM server (default: start one).")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--new-tokens", type=int, default=None, help="Tokens per request.")
+    p.add_argument("--streams", type=int, default=8, help="Concurrent requests in 1.")
+    p.add_argument("--latency-reps", type=int, default=None, help="One-token pairs in 1.")
+    p.add_argument("--publishes", type=int, default=None, help="Publishes timed in 3.")
+    p.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
+    p.add_argument("--omp-wait-policy", default="passive", help=argparse.SUPPRESS)
+    a = p.parse_args(list(argv))
+    return Options(
+        model=a.model,
+        cache_dir=a.cache_dir,
+        url=a.vllm_url,
+        dtype=a.dtype,
+        new_tokens=a.new_tokens or (16 if a.quick else 64),
+        streams=a.streams,
+        latency_reps=a.latency_reps or (10 if a.quick else 50),
+        publishes=a.publishes or (2 if a.quick else 5),
+        json_path=a.json,
+    )
+
+
+def engine_config(o: Options, model_dir: Path, url: str) -> EngineConfig:
+    return EngineConfig(
+        kind="vllm",
+        model=str(model_dir),
+        vllm={"urls": [url], "startup_timeout_s": 900},
+        max_loras=8,
+        max_lora_rank=16,
+        max_num_seqs=16,
+        max_model_len=1024,
+        adapter_poll_interval_s=1.0,
+    )
+
+
+async def _direct(http: httpx.AsyncClient, body: dict[str, Any]) -> int:
+    """One streamed completion straight to vLLM; the tokens it generated."""
+    tokens = 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                chunk = json.loads(line[5:])
+                for choice in chunk.get("choices") or []:
+                    tokens += len(choice.get("token_ids") or [])
+    return tokens
+
+
+async def _gateway(http: httpx.AsyncClient, agent: str, prompt: str, new_tokens: int) -> int:
+    """One chat completion through the gateway; its completion tokens."""
+    body = {"model": agent, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    response = await http.post("/v1/chat/completions", json=body)
+    response.raise_for_status()
+    return int(response.json()["usage"]["completion_tokens"])
+
+
+def _direct_body(model: str, prompt_ids: list[int], new_tokens: int) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt_ids, "max_tokens": new_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "skip_special_tokens": True}  # fmt: skip
+
+
+async def bench_gateway_vs_direct(
+    gw: httpx.AsyncClient, direct: httpx.AsyncClient, engine: VLLMEngine, o: Options
+) -> dict[str, float]:
+    """1. throughput ratio and added latency, gateway vs vLLM's own server."""
+    tok = engine.tokenizer
+    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}],
+                                        add_generation_prompt=True, tokenize=True))
+           for p in PROMPTS]  # fmt: skip
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(o.streams)]
+    bodies = [_direct_body(engine.served_model, ids[i % len(ids)], o.new_tokens)
+              for i in range(o.streams)]  # fmt: skip
+    await asyncio.gather(*(_gateway(gw, "bench", p, 4) for p in prompts))  # warm-up
+    rates: dict[str, list[float]] = {"gateway": [], "direct": []}
+    for _ in range(2):  # alternate, so drifting load hits both sides alike
+        t0 = time.perf_counter()
+        n = sum(await asyncio.gather(*(_gateway(gw, "bench", p, o.new_tokens) for p in prompts)))
+        rates["gateway"].append(n / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        n = sum(await asyncio.gather(*(_direct(direct, b) for b in bodies)))
+        rates["direct"].append(n / (time.perf_counter() - t0))
+    diffs, gw_ms, direct_ms = [], [], []
+    one = _direct_body(engine.served_model, ids[0], 1)
+    for i in range(o.latency_reps + 3):
+        t0 = time.perf_counter()
+        await _gateway(gw, "bench", PROMPTS[0], 1)
+        t1 = time.perf_counter()
+        await _direct(direct, one)
+        t2 = time.perf_counter()
+        if i >= 3:
+            gw_ms.append((t1 - t0) * 1e3)
+            direct_ms.append((t2 - t1) * 1e3)
+            diffs.append(gw_ms[-1] - direct_ms[-1])
+    g, d = statistics.median(rates["gateway"]), statistics.median(rates["direct"])
+    return {"gateway_tok_s": g, "direct_tok_s": d, "throughput_ratio": g / d,
+            "gateway_ms": statistics.median(gw_ms), "direct_ms": statistics.median(direct_ms),
+            "added_p50_ms": statistics.median(diffs)}  # fmt: skip
+
+
+async def bench_adapters(gw: httpx.AsyncClient, o: Options) -> dict[str, float]:
+    """2. decode steps/s, 8 rows on 8 adapters vs 8 rows on one (same prompt)."""
+
+    async def batch(agents: Sequence[str]) -> float:
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(_gateway(gw, a, PROMPTS[0], o.new_tokens) for a in agents))
+        return max(counts) / (time.perf_counter() - t0)
+
+    await batch(AGENTS)  # warm-up: every adapter loaded and used once
+    mixed, single = [], []
+    for _ in range(2):
+        mixed.append(await batch(AGENTS))
+        single.append(await batch([AGENTS[0]] * len(AGENTS)))
+    m, s = statistics.median(mixed), statistics.median(single)
+    return {"mixed_steps_s": m, "one_adapter_steps_s": s, "adapters_ratio": m / s}
+
+
+async def bench_publish(engine: VLLMEngine, work: Path, o: Options) -> dict[str, float]:
+    """3. weights in hand -> directory written -> loaded in vLLM -> first token of it."""
+    from clora_feedback.engine.deployer import Deployer
+    from clora_feedback.store.registry import AdapterRegistry
+
+    registry = AdapterRegistry(work / "adapters", work / "registry.db")
+    deployer = Deployer(engine, registry, base_model=engine.model_name)
+    agent, prompt = "publisher", list(engine.tokenizer.encode(PROMPTS[1]))
+    parts: dict[str, list[float]] = {"write_ms": [], "load_ms": [], "first_token_ms": []}
+    parent = None
+    for i in range(o.publishes + 1):
+        weights = random_lora_weights(engine.lora_limits, rank=8, seed=100 + i)
+        t0 = time.perf_counter()  # the optimizer step's output is in hand
+        info = await asyncio.to_thread(
+            registry.publish, agent, weights, optimizer_state=None,
+            base_model=engine.model_name, parent=parent, step=i, metrics={}, feedback_window={},
+        )  # fmt: skip
+        parent = info.version
+        t1 = time.perf_counter()
+        await deployer.sync(agent)
+        t2 = time.perf_counter()
+        request = GenerationRequest(f"publish-{i}", agent, prompt,
+                                    SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
+        async for chunk in engine.add_request(request):
+            if chunk.tokens:
+                assert chunk.tokens[0].adapter_version == info.version
+                break
+        t3 = time.perf_counter()
+        if i > 0:  # the first one warms the path
+            parts["write_ms"].append((t1 - t0) * 1e3)
+            parts["load_ms"].append((t2 - t1) * 1e3)
+            parts["first_token_ms"].append((t3 - t2) * 1e3)
+    out = {k: statistics.median(v) for k, v in parts.items()}
+    out["publish_total_ms"] = out["write_ms"] + out["load_ms"] + out["first_token_ms"]
+    out["watcher_wait_mean_ms"] = engine.config.adapter_poll_interval_s * 1e3 / 2
+    return out
+
+
+async def measure(o: Options, url: str, model_dir: Path, work: Path) -> dict[str, float]:
+    config = engine_config(o, model_dir, url)
+    adapters = []
+    probe = VLLMEngine(model_dir, config)
+    for i, agent in enumerate(AGENTS):
+        path = work / "peft" / agent
+        weights = random_lora_weights(probe.lora_limits, rank=8, seed=i, std=0.05)
+        save_peft_adapter(weights, path, base_model=probe.model_name)
+        adapters.append(AgentConfig(name=agent, adapter_path=path))
+    settings = Settings(data_dir=work / "gw", adapters_dir=work / "gw" / "adapters",
+                        engine=config, agents=[AgentConfig(name="bench"), *adapters])  # fmt: skip
+    from clora_feedback.gateway.app import create_app
+    from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+    results: dict[str, float] = {}
+    gateway_engine = VLLMEngine(model_dir, config)
+    app = create_app(settings, gateway_engine, AsyncTrajectoryStore(settings.trajectory_db))
+    with _uvicorn_thread(app) as gw_url:
+        async with (
+            httpx.AsyncClient(base_url=gw_url, timeout=600) as gw,
+            httpx.AsyncClient(base_url=url, timeout=600) as direct,
+        ):
+            await probe.start()  # for the served model's name and the chat template
+            try:
+                results |= await bench_gateway_vs_direct(gw, direct, probe, o)
+                results |= await bench_adapters(gw, o)
+            finally:
+                await probe.stop()
+    publisher = VLLMEngine(model_dir, config)
+    await publisher.start()
+    try:
+        results |= await bench_publish(publisher, work / "publish", o)
+    finally:
+        await publisher.stop()
+    return results
+
+
+def table(v: dict[str, float], o: Options) -> str:
+    rows = [
+        (f"1. gateway vs vLLM's own server, {o.streams} streams x {o.new_tokens} tokens (tokens/s)",
+         f"**{v['throughput_ratio']:.2f}x** ({v['gateway_tok_s']:.0f} vs {v['direct_tok_s']:.0f})",
+         ">= 0.95x"),
+        ("1. latency the gateway adds, one-token completion (p50 of pair differences)",
+         f"**{v['added_p50_ms']:.1f} ms** (gateway {v['gateway_ms']:.1f} vs vLLM "
+         f"{v['direct_ms']:.1f} ms)", "< 2 ms"),
+        ("2. 8 rows on 8 adapters vs 8 rows on one, through the gateway (decode steps/s)",
+         f"**{v['adapters_ratio']:.2f}x** ({v['mixed_steps_s']:.1f} vs "
+         f"{v['one_adapter_steps_s']:.1f})", ">= 0.9x"),
+        ("3. publish: weights in hand -> first token of the new version on vLLM",
+         f"**{v['publish_total_ms']:.0f} ms** (write {v['write_ms']:.0f}, load {v['load_ms']:.0f}, "
+         f"first token {v['first_token_ms']:.0f}; + watcher wait, mean "
+         f"{v['watcher_wait_mean_ms']:.0f})", "< 500 ms"),
+    ]  # fmt: skip
+    lines = ["| benchmark | result | goal |", "|---|---|---|"]
+    return "\n".join([*lines, *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
+
+
+async def _main(o: Options) -> dict[str, float]:
+    from clora_feedback.models.resolve import resolve_model_dir
+
+    model_dir = resolve_model_dir(o.model, o.cache_dir)
+    with tempfile.TemporaryDirectory(prefix="clora-bench-vllm-") as scratch:
+        work = Path(scratch)
+        supervisor = None
+        url = o.url
+        if url is None:
+            local = EngineConfig(
+                kind="vllm", model=str(model_dir), max_loras=8, max_lora_rank=16,
+                max_num_seqs=16, max_model_len=1024,
+                vllm={"startup_timeout_s": 900, "local": {"dtype": o.dtype, "log_dir": work}},
+            )  # fmt: skip
+            supervisor = VLLMSupervisor(model_dir, local)
+            await supervisor.start()
+            url = supervisor.url
+        try:
+            return await measure(o, url, model_dir, work)
+        finally:
+            if supervisor is not None:
+                await supervisor.stop()
+
+
+def run(argv: Sequence[str]) -> int:
+    """`clora bench serve --engine vllm ARGV`: run everything and print the table."""
+    import os
+
+    o = parse_options(argv)
+    start = time.perf_counter()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    results = asyncio.run(_main(o))
+    print(table(results, o))
+    print()
+    print(f"- load average at start: {load}; at end: "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))  # fmt: skip
+    print(f"- settings: {o.model}, {o.dtype} (local server) or {o.url}, {o.new_tokens} new tokens")
+    print(f"- benchmark wall time: {time.perf_counter() - start:.0f} s")
+    if o.json_path is not None:
+        o.json_path.write_text(json.dumps(results, indent=2))
+    return 0

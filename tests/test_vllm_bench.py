@@ -1,0 +1,37 @@
+"""Smoke run of `clora bench serve --engine vllm` on the session's vLLM server (marked `vllm`).
+
+Every measurement runs and the table has its rows; never the figures (a tiny
+random model on a shared CPU says nothing about speed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vllm_fixtures import VLLMServer
+
+from clora_feedback.bench import run_bench
+
+pytestmark = pytest.mark.vllm
+
+
+def test_serve_bench_on_vllm_runs_every_measurement(
+    vllm_server: VLLMServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--engine",
+        "vllm",
+        "--vllm-url",
+        vllm_server.url,
+        "--model",
+        str(vllm_server.model_dir),
+    ]
+    argv += ["--new-tokens", "4", "--streams", "2", "--latency-reps", "2", "--publishes", "1"]
+    assert run_bench("serve", [*argv, "--json", str(tmp_path / "vllm.json")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip()[:2] for r in rows[1:]] == ["1.", "1.", "2.", "3."]
+    results = json.loads((tmp_path / "vllm.json").read_text())
+    for key in ("throughput_ratio", "adapters_ratio", "write_ms", "load_ms", "first_token_ms"):
+        assert results[key] > 0
