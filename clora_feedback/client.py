@@ -3,8 +3,11 @@
 Two deliveries, chosen at construction:
 
 - **webhook** (`base_url=`): `POST {base_url}/v1/feedback` with the API key as a
-  bearer token and, when `webhook_secret` is given, the body signed with
-  HMAC-SHA256 in `X-Clora-Signature: sha256=<hex>`. Returns the server's
+  bearer token and, when `webhook_secret` is given, the request signed in
+  `X-Clora-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`,
+  afresh for every attempt (the server refuses a `t` outside its tolerance, so a
+  captured request cannot be replayed; several secrets give one `v1=` each, for a
+  rotation). Returns the server's
   `FeedbackReceipt` (joined / parked / duplicates / rejected, or `kafka` when
   the gateway forwards to a broker).
 - **Kafka** (`kafka_bootstrap=`): the ingest's own `FeedbackProducer` writes each
@@ -141,7 +144,9 @@ def error_from_response(response: httpx.Response) -> CloraError:
         if response.text:
             message += f": {response.text[:500]}"
     if status == 429:
-        return OverloadedError(message, retry_after_s=_retry_after(response))
+        return OverloadedError(
+            message, retry_after_s=_retry_after(response), code=code or "overloaded"
+        )
     if status >= 500:
         return FeedbackDeliveryError(message, code=code)
     by_status: dict[int, type[CloraError]] = {
@@ -194,21 +199,26 @@ def _build(kind: str, agent: str, default_source: str, fields: dict[str, Any]) -
 class _Webhook:
     """URL, headers and body of a webhook send (shared by both clients)."""
 
-    def __init__(self, base_url: str, api_key: str | None, webhook_secret: str | None) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None, webhook_secret: str | Sequence[str] | None
+    ) -> None:
         base = base_url.rstrip("/")
         # Accept the gateway root or the OpenAI-style `/v1` base URL agents already use.
         self.url = base + FEEDBACK_PATH.removeprefix("/v1" if base.endswith("/v1") else "")
         self._api_key = api_key
         self._secret = webhook_secret
 
-    def request(self, events: Sequence[Event]) -> tuple[bytes, dict[str, str]]:
-        body = b"[" + b",".join(e.model_dump_json().encode() for e in events) + b"]"
+    def body(self, events: Sequence[Event]) -> bytes:
+        return b"[" + b",".join(e.model_dump_json().encode() for e in events) + b"]"
+
+    def headers(self, body: bytes) -> dict[str, str]:
+        """Headers of one attempt: the signature's timestamp is this attempt's."""
         headers = {"content-type": "application/json"}
         if self._api_key:
             headers["authorization"] = f"Bearer {self._api_key}"
         if self._secret is not None:
             headers[SIGNATURE_HEADER] = sign_body(body, self._secret)
-        return body, headers
+        return headers
 
     def answer(self, response: httpx.Response) -> FeedbackReceipt:
         if response.status_code >= 300:
@@ -301,7 +311,8 @@ class AsyncFeedbackClient(_Builders):
     Args:
         base_url: the gateway (`http://host:8000` or its `/v1` URL): webhook delivery.
         api_key: bearer key (an agent's key may send feedback about that agent only).
-        webhook_secret: when set, bodies are signed (`X-Clora-Signature`).
+        webhook_secret: when set, requests are signed (`X-Clora-Signature`, timestamped);
+            several secrets while rotating: one `v1=` entry each.
         kafka_bootstrap: `host:port[,...]`: Kafka delivery instead of the webhook.
         kafka_topics: topic names for Kafka delivery (default `KafkaConfig()`'s).
         source: `source` of events built here (and of JSON objects without one).
@@ -314,7 +325,7 @@ class AsyncFeedbackClient(_Builders):
         base_url: str | None = None,
         *,
         api_key: str | None = None,
-        webhook_secret: str | None = None,
+        webhook_secret: str | Sequence[str] | None = None,
         kafka_bootstrap: str | None = None,
         kafka_topics: KafkaConfig | None = None,
         source: str = DEFAULT_SOURCE,
@@ -342,9 +353,10 @@ class AsyncFeedbackClient(_Builders):
         if self._kafka is not None:
             return await self._kafka.send(batch)
         assert self._webhook is not None and self._http is not None
-        body, headers = self._webhook.request(batch)
+        body = self._webhook.body(batch)
         for attempt in range(self._max_retries + 1):
             try:
+                headers = self._webhook.headers(body)
                 response = await self._http.post(self._webhook.url, content=body, headers=headers)
                 return self._webhook.answer(response)
             except httpx.TransportError as exc:
@@ -438,7 +450,7 @@ class FeedbackClient(_Builders):
         base_url: str | None = None,
         *,
         api_key: str | None = None,
-        webhook_secret: str | None = None,
+        webhook_secret: str | Sequence[str] | None = None,
         kafka_bootstrap: str | None = None,
         kafka_topics: KafkaConfig | None = None,
         source: str = DEFAULT_SOURCE,
@@ -462,9 +474,10 @@ class FeedbackClient(_Builders):
         if self._kafka is not None and self._loop is not None:
             return self._loop.run(self._kafka.send(batch))
         assert self._webhook is not None and self._http is not None
-        body, headers = self._webhook.request(batch)
+        body = self._webhook.body(batch)
         for attempt in range(self._max_retries + 1):
             try:
+                headers = self._webhook.headers(body)
                 response = self._http.post(self._webhook.url, content=body, headers=headers)
                 return self._webhook.answer(response)
             except httpx.TransportError as exc:

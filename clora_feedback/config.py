@@ -8,13 +8,16 @@ YAML/JSON file named by `--config` or `CLORA_CONFIG_FILE`.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+_POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 DEFAULT_TARGET_MODULES = (
     "q_proj",
     "k_proj",
@@ -24,6 +27,52 @@ DEFAULT_TARGET_MODULES = (
     "up_proj",
     "down_proj",
 )
+
+
+class VLLMLocalConfig(BaseModel):
+    """A vLLM server started and supervised by `clora serve --engine vllm` (no `urls` given)."""
+
+    enabled: bool = Field(
+        False,
+        description="Start and supervise a local vLLM server on `engine.model` when "
+        "`engine.vllm.urls` is empty (`clora serve --engine vllm` without `--vllm-url` "
+        "turns it on).",
+    )
+
+    venv: Path | None = Field(
+        None,
+        description="The vLLM virtualenv (`scripts/install_vllm.sh`); default `$CLORA_VLLM_VENV`, "
+        "else `var/vllm-venv`.",
+    )
+    port: int | None = Field(
+        None, ge=1, le=65535, description="Loopback port of the server; default: a free one."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="The server's `--dtype` (bf16 is the fast CPU path)."
+    )
+    kv_cache_gib: int = Field(
+        2, ge=1, description="`VLLM_CPU_KVCACHE_SPACE`: the CPU KV cache in GiB (CPU builds)."
+    )
+    omp_threads_bind: str | None = Field(
+        None,
+        description="`VLLM_CPU_OMP_THREADS_BIND` (e.g. `0-3`, `nobind`); default: every core but "
+        "the first, which is left to the gateway.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="More `vllm serve` arguments, appended as given."
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts after an unexpected exit before the supervisor gives up."
+    )
+    log_dir: Path | None = Field(
+        None, description="Where the server's log goes; default `<data_dir>/vllm`."
+    )
+
+    def venv_dir(self) -> Path:
+        """`venv`, else `$CLORA_VLLM_VENV`, else `var/vllm-venv` (relative to the working dir)."""
+        if self.venv is not None:
+            return self.venv
+        return Path(os.environ.get("CLORA_VLLM_VENV", "var/vllm-venv"))
 
 
 class VLLMEngineConfig(BaseModel):
@@ -37,8 +86,10 @@ class VLLMEngineConfig(BaseModel):
 
     urls: list[str] = Field(
         default_factory=list,
-        description="Base URLs of the vLLM OpenAI-compatible servers (e.g. http://gpu1:8000). "
-        "Today the first one serves; replicas are not balanced yet.",
+        description="Base URLs of the vLLM OpenAI-compatible servers (e.g. http://gpu1:8000), "
+        "one per replica: each agent has a home replica (rendezvous hashing on its name) and "
+        "spills over to the next one when it is down or full. Empty with `clora serve "
+        "--engine vllm`: a local server is started and supervised (`engine.vllm.local`).",
     )
     served_model_name: str | None = Field(
         None,
@@ -57,6 +108,33 @@ class VLLMEngineConfig(BaseModel):
     )
     startup_timeout_s: float = Field(
         60.0, gt=0, description="How long `start` waits for the server's `/health`."
+    )
+    health_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often each replica's `/health` is polled; a replica that fails "
+        "`health_failures` polls in a row is taken out (its in-flight requests fail with 503) "
+        "until it answers again.",
+    )
+    health_timeout_s: float = Field(
+        5.0, gt=0, description="Longest wait for one `/health` answer before the poll fails."
+    )
+    health_failures: int = Field(
+        3,
+        ge=1,
+        description="Failed `/health` polls in a row that take a replica out (one is enough "
+        "right after a request on it failed: connection refused or reset).",
+    )
+    max_loras: int | None = Field(
+        None,
+        ge=1,
+        description="Adapter names kept loaded per replica when the server does not report its "
+        "`--max-loras` (in `/metrics`); default `engine.max_loras`. The least recently used "
+        "idle name is unloaded to make room.",
+    )
+    local: VLLMLocalConfig = Field(
+        default_factory=VLLMLocalConfig,
+        description="The local vLLM server `clora serve --engine vllm` starts when `urls` is empty.",
     )
 
 
@@ -99,6 +177,14 @@ class EngineConfig(BaseModel):
         description="How often the deployer reads the adapter registry's active pointers, "
         "so a version activated by another process is served within this.",
     )
+    prefix_cache_mb: int = Field(
+        2048,
+        ge=0,
+        description="Memory for the embedded engine's prefix cache: keys/values of prompt and "
+        "conversation blocks kept across requests, per adapter version, so a multi-turn "
+        "conversation or a repeated system prompt is not prefilled again (least recently "
+        "used blocks are evicted past this); 0 turns it off.",
+    )
 
 
 class RewardPolicyConfig(BaseModel):
@@ -126,6 +212,11 @@ class RewardPolicyConfig(BaseModel):
     )
 
 
+# Room a dead-letter record needs beyond the original key and value: its headers
+# (the reason is cut to 2,000 characters) and Kafka's record framing.
+DEAD_LETTER_HEADROOM = 16_384
+
+
 class KafkaConfig(BaseModel):
     """Where feedback events flow. No bootstrap: the embedded default starts a local Tansu broker."""
 
@@ -143,10 +234,86 @@ class KafkaConfig(BaseModel):
     max_batch: int = Field(
         500, ge=1, description="Most records applied in one durable transaction."
     )
+    # -- sizes (connectors/README.md "Size limits") --
+    max_record_bytes: int = Field(
+        1_000_000,
+        ge=1024,
+        description="Largest record (key + value bytes) the consumer parses; a larger one is "
+        "dead-lettered unparsed with reason `too_large`. At least 16 KiB below "
+        "`dead_letter_max_bytes`, so every refused record fits the dead-letter topic whole.",
+    )
+    dead_letter_max_bytes: int = Field(
+        1_048_576,
+        ge=65_536,
+        description="Largest dead-letter record: the dead-letter producer's `max_request_size` "
+        "(keep it within the cluster's `message.max.bytes`). A record that does not fit is "
+        "dead-lettered as a truncated JSON envelope (its position, key, size, reason and a "
+        "prefix of its value).",
+    )
+    # -- a batch that could not be applied (store outage, dead-letter topic down) --
+    retry_initial_s: float = Field(
+        0.5,
+        gt=0,
+        description="Pause before a failed batch is read again from its first uncommitted "
+        "offset; it doubles on each further failure.",
+    )
+    retry_max_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest pause between retries; the consumer retries until it works.",
+    )
+    # -- security of a real cluster (the embedded broker is PLAINTEXT on loopback) --
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How every Kafka client we build talks to the cluster."
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "PLAIN", description="SASL mechanism, for the SASL_* protocols."
+    )
+    sasl_plain_username: str | None = Field(None, description="SASL user name.")
+    sasl_plain_password: SecretStr | None = Field(
+        None,
+        description="SASL password; set it through CLORA_FEEDBACK__KAFKA__SASL_PLAIN_PASSWORD "
+        "or `sasl_plain_password_env`, not in a file. Never logged.",
+    )
+    sasl_plain_password_env: str | None = Field(
+        None,
+        description="Name of an environment variable holding the SASL password, read once when "
+        "the settings load (used when `sasl_plain_password` is not set).",
+    )
+    ssl_cafile: Path | None = Field(
+        None, description="CA bundle that signs the brokers' certificates (default: system CAs)."
+    )
+    ssl_certfile: Path | None = Field(None, description="Client certificate (mutual TLS).")
+    ssl_keyfile: Path | None = Field(None, description="Private key of `ssl_certfile`.")
 
     @property
     def topics(self) -> tuple[str, str, str]:
         return (self.corrections_topic, self.resolutions_topic, self.rewards_topic)
+
+    @model_validator(mode="after")
+    def _check_kafka(self) -> KafkaConfig:
+        if self.max_record_bytes + DEAD_LETTER_HEADROOM > self.dead_letter_max_bytes:
+            raise ValueError(
+                f"max_record_bytes ({self.max_record_bytes}) must be at least "
+                f"{DEAD_LETTER_HEADROOM} below dead_letter_max_bytes ({self.dead_letter_max_bytes})"
+            )
+        if self.sasl_plain_password is None and self.sasl_plain_password_env is not None:
+            secret = os.environ.get(self.sasl_plain_password_env)
+            if secret is None:
+                raise ValueError(f"environment variable {self.sasl_plain_password_env} is not set")
+            self.sasl_plain_password = SecretStr(secret)
+        if self.security_protocol.startswith("SASL_") and (
+            self.sasl_plain_username is None or self.sasl_plain_password is None
+        ):
+            raise ValueError(f"{self.security_protocol} needs sasl_plain_username and a password")
+        tls = self.security_protocol in ("SSL", "SASL_SSL")
+        if not tls and (self.ssl_cafile or self.ssl_certfile or self.ssl_keyfile):
+            raise ValueError(
+                f"ssl_* files are set but security_protocol is {self.security_protocol}"
+            )
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
+        return self
 
 
 class FeedbackConfig(BaseModel):
@@ -161,8 +328,22 @@ class FeedbackConfig(BaseModel):
         gt=0,
         description="How long feedback waits for its trajectory before it is dead-lettered.",
     )
+    max_parked_per_agent: int = Field(
+        1000,
+        ge=1,
+        description="Most parked events (waiting for their trajectory) one agent may have; "
+        "beyond it the webhook answers 429 and Kafka dead-letters the event (`parked_limit`).",
+    )
     webhook_secret: str | None = Field(
-        None, description="HMAC-SHA256 key; when set, webhook bodies must carry X-Clora-Signature."
+        None,
+        description="HMAC-SHA256 key; when set, webhook requests must carry X-Clora-Signature: "
+        "t=<unix seconds>,v1=<hex HMAC of '<t>.<body>'> (connectors/README.md).",
+    )
+    signature_tolerance_s: float = Field(
+        300.0,
+        gt=0,
+        description="Largest difference between a signature's `t` and the server's clock; "
+        "an older (replayed) or later signature is refused with 401 signature_expired.",
     )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest webhook body accepted.")
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
@@ -241,6 +422,45 @@ class TrainerConfig(BaseModel):
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
 
+class ServerConfig(BaseModel):
+    """The HTTP server: request size bounds and connection timeouts (`clora serve`)."""
+
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body on any route, in bytes; a larger one is answered 413 "
+        "before it is read (Content-Length checked first, chunked bodies counted as they "
+        "arrive). 4 MiB holds prompts far beyond any context window served here; longer "
+        "prompts in tokens are refused with 400 anyway. The webhook keeps its own "
+        "`feedback.max_body_bytes`.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A connection that has started a request must deliver all its headers "
+        "within this, or it is closed (uvicorn's h11 server has no such timeout of its own).",
+    )
+    keep_alive_timeout_s: int = Field(
+        5, ge=1, description="An idle keep-alive connection is closed after this (uvicorn)."
+    )
+    max_header_bytes: int = Field(
+        16 * 1024,
+        ge=1024,
+        description="Largest request line plus headers (h11's incomplete-event limit); "
+        "beyond it the server answers 400 and closes.",
+    )
+    graceful_shutdown_timeout_s: int | None = Field(
+        30,
+        ge=0,
+        description="On shutdown, open connections get this long to finish (None: forever).",
+    )
+    access_log: bool = Field(
+        True,
+        description="Log one line per request (query values other than the gateway's own "
+        "parameters are redacted, so a key sent as `?api_key=` never reaches the log).",
+    )
+
+
 class AgentConfig(BaseModel):
     """An agent declared in configuration."""
 
@@ -261,7 +481,20 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = Field(Path("var"), description="SQLite databases and the model cache.")
-    adapters_dir: Path = Field(Path("adapters"), description="Root of the on-disk adapter store.")
+    adapters_dir: Path = Field(
+        Path("adapters"),
+        description="Root of the on-disk adapter store (the version directories); with a "
+        "`store_url` shared by several processes, a directory they all mount.",
+    )
+    store_url: str | None = Field(
+        None,
+        repr=False,  # may carry a password: `store_display_url` is the printable form
+        description="One PostgreSQL database for the trajectories, the feedback and the adapter "
+        "registry (`postgresql://user:password@host:port/database`), which several "
+        "`clora serve` / `clora ingest` processes can share. None (the default): SQLite files "
+        "under `data_dir`, one process (`trajectories.db`, `registry.db`). "
+        "`clora store migrate --to URL` copies those files into an empty database.",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     agents: list[AgentConfig] = Field(default_factory=list)
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
@@ -271,6 +504,9 @@ class Settings(BaseSettings):
         description="Key for management routes. With no keys configured at all, the gateway is open.",
     )
     request_timeout_s: float = Field(600.0, gt=0)
+    server: ServerConfig = Field(
+        default_factory=ServerConfig, description="Body size bounds and connection timeouts."
+    )
 
     @field_validator("agents")
     @classmethod
@@ -279,6 +515,37 @@ class Settings(BaseSettings):
         if len(names) != len(set(names)):
             raise ValueError("agent names must be unique")
         return agents
+
+    @field_validator("store_url")
+    @classmethod
+    def _check_store_url(cls, url: str | None) -> str | None:
+        if url is None or not url.strip():
+            return None
+        url = url.strip()
+        if not url.startswith(_POSTGRES_SCHEMES):
+            raise ValueError(
+                "store_url must be postgresql://user:password@host:port/database "
+                "(leave it unset for the SQLite files under data_dir)"
+            )
+        return url
+
+    @property
+    def store_display_url(self) -> str:
+        """Where the stores live, printable: the URL with its password as `***`, or the
+        SQLite directory."""
+        if self.store_url is None:
+            return f"sqlite files in {self.data_dir}"
+        return redact_url(self.store_url)
+
+    @property
+    def trajectory_db_url(self) -> str | Path:
+        """What the trajectory and feedback stores open: `store_url`, else `trajectory_db`."""
+        return self.store_url or self.trajectory_db
+
+    @property
+    def registry_db_url(self) -> str | Path:
+        """What the adapter registry opens: `store_url`, else `registry_db`."""
+        return self.store_url or self.registry_db
 
     @property
     def auth_enabled(self) -> bool:
@@ -295,6 +562,15 @@ class Settings(BaseSettings):
     @property
     def registry_db(self) -> Path:
         return self.data_dir / "registry.db"
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`, for logs and messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{netloc}", *parts[2:]))
 
 
 def load_settings(config_file: Path | None = None, **overrides: object) -> Settings:

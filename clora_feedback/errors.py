@@ -93,8 +93,8 @@ class OverloadedError(CloraError):
     retriable = True
     retry_after_s: float
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0):
-        super().__init__(message, code="overloaded")
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str = "overloaded"):
+        super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
 
 

@@ -88,12 +88,20 @@ def store_trajectory(
 
 
 async def produce(
-    bootstrap: str, records: Sequence[tuple[str, bytes | None, bytes | None]]
+    bootstrap: str,
+    records: Sequence[tuple[str, bytes | None, bytes | None]],
+    *,
+    max_request_size: int = 1_048_576,
 ) -> list[Any]:
-    """Produce (topic, key, value) records with a plain aiokafka producer; their metadata."""
+    """Produce (topic, key, value) records with a plain aiokafka producer; their metadata.
+
+    `max_request_size` is the producer's own limit (aiokafka's default: 1 MiB).
+    """
     from aiokafka import AIOKafkaProducer
 
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", max_request_size=max_request_size
+    )
     await producer.start()
     try:
         pending = [await producer.send(t, value=v, key=k) for t, k, v in records]

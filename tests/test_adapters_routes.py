@@ -343,3 +343,29 @@ def test_cli_rollback_switches_the_serving_engine(
         assert engine.adapter_version("support") == 1
         assert served_version() == 1
     registry.close()
+
+
+@pytest.mark.parametrize("version", ["99999999999999999999", str(2**63), "0", "-1"])
+def test_out_of_range_versions_in_the_path_are_400(client: TestClient, version: str) -> None:
+    """SQLite's integers are 64-bit: a larger version is the caller's error, never a 500."""
+    response = client.get(f"/v1/adapters/support/versions/{version}", headers=ADMIN)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "version")
+
+
+@pytest.mark.parametrize("version", [99999999999999999999, 2**63, -(2**63) - 1])
+def test_out_of_range_rollback_versions_are_400(client: TestClient, version: int) -> None:
+    response = client.post(
+        "/v1/adapters/support/rollback", json={"version": version}, headers=ADMIN
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "version")
+
+
+def test_the_largest_version_is_a_plain_404(client: TestClient) -> None:
+    top = 2**63 - 1
+    assert client.get(f"/v1/adapters/support/versions/{top}", headers=ADMIN).status_code == 404
+    rollback = client.post("/v1/adapters/support/rollback", json={"version": top}, headers=ADMIN)
+    assert rollback.status_code == 404

@@ -32,3 +32,15 @@ def test_no_stale_files() -> None:
 def test_examples_validate(path: Path) -> None:
     event = parse_event(json.loads(path.read_text()))
     assert event.event_id
+
+
+def test_readme_signature_example_is_what_the_code_computes() -> None:
+    """The worked example in connectors/README.md is exact: the code signs and accepts it."""
+    from clora_feedback.schemas.feedback import sign_body, verify_signature
+
+    lines = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()]
+    body = next(line for line in lines if line.startswith('{"kind":"resolution"')).encode()
+    header = next(line for line in lines if line.startswith("X-Clora-Signature: t=1767225600,"))
+    value = header.removeprefix("X-Clora-Signature: ")
+    assert sign_body(body, "whsec_example", timestamp=1767225600) == value
+    verify_signature(body, "whsec_example", value, now=1767225600 + 299)

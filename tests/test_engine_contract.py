@@ -254,6 +254,59 @@ async def test_seeds_reproduce_and_n_choices_differ(
         assert len({tuple(t) for t in first}) == 3
 
 
+async def test_sampling_controls_act_and_a_mixed_batch_equals_each_alone(
+    make_engine: EngineFactory, tiny_model_dir: Path
+) -> None:
+    async with make_engine(tiny_model_dir) as engine:
+        prompt = list(engine.tokenizer.encode("Once upon"))
+        eos = engine.tokenizer.eos_token_id
+        [a] = engine.tokenizer.encode("a")
+        greedy = {"max_tokens": 8, "temperature": 0.0}
+        [first] = _tokens(
+            await _collect(
+                engine.add_request(_req("g", None, prompt, max_tokens=1, temperature=0.0))
+            )
+        )
+        rows: dict[str, dict[str, Any]] = {
+            "forced": {**greedy, "logit_bias": ((a, 100.0),)},
+            "banned": {**greedy, "ignore_eos": True, "logit_bias": ((first, -100.0),)},
+            "held": {**greedy, "min_tokens": 3, "logit_bias": ((eos, 100.0),)},
+            "penalized": {
+                **greedy,
+                "ignore_eos": True,
+                "presence_penalty": 1.5,
+                "frequency_penalty": 0.5,
+            },
+            "top_k": {
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "seed": 3,
+                "top_k": 1,
+                "ignore_eos": True,
+            },
+        }
+        together = await asyncio.gather(
+            *(
+                _collect(engine.add_request(_req(f"b-{name}", None, prompt, **sp)))
+                for name, sp in rows.items()
+            )
+        )
+        batch = {name: _tokens(chunks) for name, chunks in zip(rows, together, strict=True)}
+        alone = {
+            name: _tokens(await _collect(engine.add_request(_req(f"s-{name}", None, prompt, **sp))))
+            for name, sp in rows.items()
+        }
+        assert batch == alone  # each row's controls are its own
+        assert batch["forced"] == [a] * 8
+        assert batch["banned"][0] != first
+        held = batch["held"]
+        assert eos not in held[:3] and len(held) <= 4  # EOS (forced) as soon as min_tokens allow
+        plain = _tokens(
+            await _collect(engine.add_request(_req("p", None, prompt, ignore_eos=True, **greedy)))
+        )
+        assert batch["top_k"] == plain  # top_k = 1 samples greedily at any temperature
+
+
 async def test_logprobs_follow_the_declared_mode(
     make_engine: EngineFactory, tiny_model_dir: Path
 ) -> None:

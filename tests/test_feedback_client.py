@@ -33,6 +33,7 @@ from clora_feedback.config import EngineConfig, FeedbackConfig, Settings
 from clora_feedback.errors import (
     AuthenticationError,
     InvalidRequestError,
+    OverloadedError,
     PermissionDeniedError,
     UnavailableError,
 )
@@ -243,6 +244,35 @@ def test_cli_flags_file_and_stdin(
     with pytest.raises(SystemExit) as usage:
         clora(*common, "--kind", "reward")
     assert usage.value.code == 2
+
+
+def test_sdk_and_cli_signatures_are_accepted(
+    servers: ExitStack, store: FeedbackStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = webhook(servers, store, feedback=FeedbackConfig(webhook_secret="new"))
+    # Mid-rotation the sender signs with both secrets; the server's matches one v1 entry.
+    with FeedbackClient(url, api_key="k-admin", webhook_secret=["old", "new"]) as client:
+        assert client.resolution("support", "resolved", completion_id="c-support").joined
+    with FeedbackClient(url, api_key="k-admin", webhook_secret="old") as stale:
+        with pytest.raises(AuthenticationError) as refused:
+            stale.resolution("support", "resolved", completion_id="c-support")
+        assert refused.value.code == "invalid_signature"
+    args = ["feedback", "send", "--url", url, "--api-key", "k-admin"]
+    args += ["--secret", "old", "--secret", "new", "--kind", "reward", "--agent", "sales"]
+    assert clora(*args, "--completion-id", "c-sales", "--value", "0.5") == 0
+    assert json.loads(capsys.readouterr().out)["joined"]
+
+
+def test_parked_limit_reaches_the_sdk_as_overloaded(
+    servers: ExitStack, store: FeedbackStore
+) -> None:
+    url = webhook(servers, store, feedback=FeedbackConfig(max_parked_per_agent=1))
+    with FeedbackClient(url, api_key="k-support", max_retries=0) as client:
+        assert client.reward("support", 1.0, completion_id="c-later-1").parked
+        with pytest.raises(OverloadedError) as full:
+            client.reward("support", 1.0, completion_id="c-later-2")
+    assert full.value.code == "parked_limit" and full.value.retriable
+    assert full.value.retry_after_s >= 1
 
 
 # -- Kafka (real broker) ----------------------------------------------------------------------

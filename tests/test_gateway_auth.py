@@ -1,9 +1,12 @@
-"""API keys: 401 without a valid key, 403 for another agent's model or admin routes,
-404 for another agent's trajectories; open access when no key is configured."""
+"""API keys: 401 without a valid key, 403 for admin routes, 404 for another agent's
+model (exactly as for an unknown one) and trajectories; /metrics needs the admin key;
+open access when no key is configured."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
@@ -53,9 +56,10 @@ def test_key_table() -> None:
 def test_principal_rules() -> None:
     support = Principal(admin=False, agents=frozenset({"support"}))
     support.check_model("support", "support")
-    with pytest.raises(PermissionDeniedError):
+    # Another key's model is as unknown as a name nobody serves (issue 12 item 4).
+    with pytest.raises(NotFoundError):
         support.check_model("sales", "sales")
-    with pytest.raises(PermissionDeniedError):
+    with pytest.raises(NotFoundError):
         support.check_model("base", None)  # the bare base model is for admins
     with pytest.raises(PermissionDeniedError):
         support.check_admin()
@@ -91,7 +95,7 @@ def test_http_authentication_and_permissions(keyed: GatewayServer) -> None:
     support = keyed.openai(api_key=SUPPORT)
     reply = support.chat.completions.create(model="support", messages=HI, max_tokens=2)
     for model in ("sales", "tiny-base"):
-        with pytest.raises(openai.PermissionDeniedError) as info:
+        with pytest.raises(openai.NotFoundError) as info:
             support.chat.completions.create(model=model, messages=HI, max_tokens=1)
         assert info.value.param == "model"
     assert [m.id for m in support.models.list()] == ["support"]
@@ -142,3 +146,68 @@ def test_trajectories_are_scoped_by_key(keyed: GatewayServer) -> None:
         assert everything == [base_reply.id, sales_reply.id, support_reply.id]
         assert http.get(f"/v1/trajectories/{sales_reply.id}").json()["api_key_agent"] == "sales"
         assert http.get(f"/v1/trajectories/{base_reply.id}").json()["agent"] == "tiny-base"
+
+
+def test_another_keys_model_is_as_unknown_as_a_missing_one(keyed: GatewayServer) -> None:
+    """Tenant A cannot tell B's agent names from names nobody serves (issue 12 item 4)."""
+    errors: list[dict[str, Any]] = []
+    with keyed.http(headers={"Authorization": f"Bearer {SUPPORT}"}) as http:
+        for model in ("sales", "tiny-base", "no-such-agent"):
+            for path, body in (
+                ("/v1/chat/completions", {"model": model, "messages": HI}),
+                ("/v1/completions", {"model": model, "prompt": "hi"}),
+                (f"/v1/models/{model}", None),
+            ):
+                response = http.request("GET" if body is None else "POST", path, json=body)
+                assert response.status_code == 404, (path, response.text)
+                error = response.json()["error"]
+                # Same words but the name: nothing says whether the model exists.
+                errors.append({**error, "message": error["message"].replace(model, "<m>")})
+    routes = 3
+    for i, error in enumerate(errors):
+        assert error == errors[i % routes], error
+        assert (error["type"], error["param"], error["code"]) == (
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
+
+
+def test_metrics_need_the_admin_key_when_keys_are_configured(keyed: GatewayServer) -> None:
+    with keyed.http() as http:
+        anonymous = http.get("/metrics")
+        agent = http.get("/metrics", headers={"Authorization": f"Bearer {SUPPORT}"})
+        admin = http.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["type"] == "authentication_error"
+    assert agent.status_code == 403 and "sales" not in agent.text
+    assert admin.status_code == 200 and "clora_http_requests_total" in admin.text
+
+
+def test_metrics_stay_open_without_keys(module_gateway: GatewayServer) -> None:
+    with module_gateway.http() as http:
+        assert http.get("/metrics").status_code == 200
+
+
+def test_no_key_reaches_a_store(keyed: GatewayServer) -> None:
+    """Whatever is stored (trajectories, registry, feedback) holds an agent name, never a
+    key or a hash of one."""
+    support = keyed.openai(api_key=SUPPORT)
+    reply = support.chat.completions.create(model="support", messages=HI, max_tokens=2)
+    support.completions.create(model="support", prompt="hi", max_tokens=2)
+    with keyed.http(headers={"Authorization": f"Bearer {SUPPORT}"}) as http:
+        stored = http.get(f"/v1/trajectories/{reply.id}").json()
+    assert stored["api_key_agent"] == "support"
+    data_dir = Path(keyed.app.state.gateway.store.path).parent
+    files = [p for p in data_dir.rglob("*") if p.is_file()]
+    assert files
+    for key in (SUPPORT, ADMIN):
+        forms = [
+            key,
+            hashlib.sha256(key.encode()).hexdigest(),
+            hashlib.md5(key.encode()).hexdigest(),
+        ]
+        for path in files:
+            content = path.read_bytes()
+            for form in forms:
+                assert form.encode() not in content, (path, form)

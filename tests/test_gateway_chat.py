@@ -321,3 +321,67 @@ async def test_async_client_concurrent_agents(module_gateway: GatewayServer) -> 
     chunks = [c async for c in stream]
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     await client.close()
+
+
+def _raw_stream(gateway: GatewayServer, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The SSE events of one streamed request as JSON, each checked against the official spec."""
+    from openai_spec import validate
+
+    events = []
+    with gateway.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[len("data: ") :])
+                validate("CreateChatCompletionStreamResponse", event)
+                events.append(event)
+    return events
+
+
+def test_streamed_tool_call_finishes_in_its_own_chunk(module_gateway: GatewayServer) -> None:
+    """The SDK's stream helper fires `arguments.done` and the final content is null."""
+    client = module_gateway.openai()
+    kwargs: dict[str, Any] = {
+        "model": "support",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40,
+        "seed": 2,
+    }
+    with client.chat.completions.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.done" in kinds
+    message = final.choices[0].message
+    assert message.content is None and final.choices[0].finish_reason == "tool_calls"
+    [call] = message.tool_calls or []
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = _raw_stream(module_gateway, {**kwargs, "stream": True})
+    last = [c for c in chunks if c["choices"]][-1]["choices"][0]
+    assert last["finish_reason"] == "tool_calls" and last["delta"] == {}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1] if c["choices"])
+
+
+def test_logprobs_list_the_tokens_of_the_content(module_gateway: GatewayServer) -> None:
+    """The end-of-turn token has no text: logprobs leave it out, the clora ids keep it."""
+    tokenizer = module_gateway.engine.tokenizer
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    client = module_gateway.openai()
+    checked = 0
+    for seed in range(40):
+        reply = client.chat.completions.create(
+            model="support", messages=HI, max_tokens=60, seed=seed, logprobs=True
+        )
+        choice = reply.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        entries = choice.logprobs.content
+        joined = b"".join(bytes(t.bytes or []) for t in entries)
+        assert joined.decode("utf-8", errors="replace") == choice.message.content
+        ids = clora(choice)["token_ids"]
+        assert len(entries) == sum(t not in tokenizer.all_special_ids for t in ids)
+        if ids[-1:] == [eos]:
+            checked += 1
+            if checked == 2:
+                break
+    assert checked, "some seed ends its reply with the end-of-turn token"

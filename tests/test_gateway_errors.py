@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -146,3 +147,40 @@ def test_completion_bad_inputs(
         response = http.post("/v1/completions", json={"model": "support", "prompt": "x", **fields})
     assert response.status_code == 400
     assert error_of(response)["param"] == param
+
+
+def test_a_deeply_nested_adapter_config_is_400_naming_lora_path(
+    module_gateway: GatewayServer, tmp_path: Path
+) -> None:
+    """A config nested 50k deep used to raise RecursionError in the JSON decoder (500)."""
+    head = '{"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "x": '
+    (tmp_path / "adapter_config.json").write_text(head + "[" * 50_000 + "]" * 50_000 + "}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with module_gateway.http() as http:
+        response = http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "deep", "lora_path": str(tmp_path)}
+        )
+        assert response.status_code == 400, response.text
+        error = error_of(response)
+        assert (error["type"], error["param"]) == ("invalid_request_error", "lora_path")
+        assert "nested deeper" in error["message"]
+        assert http.get("/health").status_code == 200
+
+
+def test_a_missing_adapter_directory_names_lora_path(module_gateway: GatewayServer) -> None:
+    with module_gateway.http() as http:
+        response = http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": "/no/such/dir"}
+        )
+    assert response.status_code == 400
+    assert error_of(response)["param"] == "lora_path"
+
+
+def test_a_deeply_nested_request_body_is_400(module_gateway: GatewayServer) -> None:
+    deep = '{"model": "support", "messages": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    with module_gateway.http() as http:
+        response = http.post(
+            "/v1/chat/completions", content=deep, headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 400
+    assert error_of(response)["type"] == "invalid_request_error"

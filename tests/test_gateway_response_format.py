@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from clora_feedback.chat_format.constraint import completion_suffix, object_grammar
 
@@ -221,3 +221,39 @@ def test_a_forced_tool_call_and_a_json_reply_are_refused_together(
         ask(module_gateway, {"type": "json_object"}, tools=[tool], tool_choice=tool_choice)
     assert info.value.param == "response_format"
     assert "tool_choice" in info.value.message
+
+
+class Step(BaseModel):
+    kind: Literal["read", "write"]
+    done: bool
+
+
+class Plan(BaseModel):
+    """A nested model as agents send them: `$defs`, bounded lists, Optional, enums.
+
+    No free strings: the random model could write one forever (bounds are not enforced).
+    """
+
+    steps: list[Step] = Field(max_length=2)
+    risk: Literal["low", "high"]
+    owner: Step | None
+
+
+def test_parse_and_stream_with_a_nested_pydantic_model(module_gateway: GatewayServer) -> None:
+    client = module_gateway.openai()
+    kwargs: dict[str, Any] = {
+        "model": "support",
+        "messages": ASK,
+        "response_format": Plan,
+        "max_tokens": BUDGET,
+        "seed": 3,
+        "temperature": 0.7,
+    }
+    reply = client.chat.completions.parse(**kwargs)
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(reply.choices[0].message.parsed, Plan)
+    with client.chat.completions.stream(**kwargs) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_completion()
+    assert "content.done" in kinds
+    assert isinstance(final.choices[0].message.parsed, Plan)

@@ -132,6 +132,40 @@ async def test_webhook_and_kafka_dead_letter_an_expired_event_alike(
     assert ingest.metrics.expired == ingest.metrics.dead_lettered == 2
 
 
+async def test_kafka_dead_letters_an_event_over_the_parked_limit(
+    kafka_broker: LocalBroker, feedback_store: FeedbackStore
+) -> None:
+    sink = RecordingSink()
+    ingest = FeedbackIngest(feedback_store, sink, park_ttl_s=60.0, max_parked_per_agent=1)
+    events = [
+        Resolution(
+            event_id=f"k{i}", agent="support", completion_id=f"c-none-{i}", source="t",
+            outcome="resolved",
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    await produce(
+        kafka_broker.bootstrap,
+        [(KAFKA.resolutions_topic, b"support", e.model_dump_json().encode()) for e in events],
+    )
+    consumer = FeedbackConsumer(feedback_store, kafka_broker.bootstrap, ingest=ingest, **FAST_GROUP)
+    await consumer.start()
+    try:
+        for _ in range(100):  # polls, not time: a batch may hold one record or both
+            if ingest.metrics.parked + ingest.metrics.rejected == 2:
+                break
+            await consumer.poll_once()
+    finally:
+        await consumer.stop()
+    parked = [e for e in ("k0", "k1") if feedback_store.event_state(e) == ("parked", None)]
+    (over,) = {"k0", "k1"} - set(parked)
+    assert len(parked) == 1 and feedback_store.event_state(over) is None
+    (letter,) = sink.letters
+    assert json.loads(letter.value or b"{}")["event_id"] == over
+    assert "parked_limit" in letter.reason and letter.source is not None
+    assert ingest.metrics.over_parked_limit == 1 and ingest.metrics.dead_lettered == 1
+
+
 async def test_pipeline_dead_letters_both_paths_to_the_topic(
     tmp_path: Path, feedback_store: FeedbackStore
 ) -> None:

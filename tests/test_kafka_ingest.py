@@ -33,6 +33,7 @@ from clora_feedback.feedback.kafka import (
     HEADER_SOURCE_TOPIC,
     FeedbackConsumer,
     FeedbackProducer,
+    build_consumer,
     decode_record,
 )
 from clora_feedback.feedback.rewards import DefaultRewardPolicy
@@ -361,3 +362,10 @@ async def test_rebalance_commits_the_in_flight_batch_first(
     assert feedback_store.state_counts() == {"joined": 300}
     assert first.metrics.duplicates + second.metrics.duplicates == 0
     assert first.metrics.commit_failures + second.metrics.commit_failures == 0
+
+
+def test_build_consumer_takes_the_parked_cap_from_config(feedback_store: FeedbackStore) -> None:
+    """`clora ingest` alone builds its ingest here: the configured cap must reach it."""
+    config = FeedbackConfig(max_parked_per_agent=7)
+    consumer = build_consumer(feedback_store, config, "127.0.0.1:9")
+    assert consumer.ingest.max_parked_per_agent == 7

@@ -595,3 +595,85 @@ def test_vocab_texts_on_real_byte_level_tokenizer() -> None:
         assert constraint.allows(token)
         constraint.advance(token)
     assert constraint.is_done()
+
+
+# ---------------------------------------------------------------- calls the model chooses
+
+_TRIGGER_VOCAB = [
+    *_JSON_VOCAB,
+    *"POdkp>",
+    '{"name": "',
+    "Paris",
+    "<tool",
+    "_call>",
+    "<tool_call>",
+    "</tool_call>",
+    "</",
+    "hi ",
+    "<",
+]
+_STRICT_TOOLS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+    "get_time": None,
+}
+
+
+def _free_walk(constraint: JSONCallConstraint, rng: random.Random, script: list[int]) -> str:
+    """Follow `script` while the constraint allows it, then pick allowed tokens at random,
+    never the special token "" (so only the grammar, not an end of turn, ends a call)."""
+    for token in script:
+        assert constraint.allows(token)
+        constraint.advance(token)
+    for _ in range(rng.randint(0, 120)):
+        if constraint.is_done():
+            break
+        allowed = [i for i, t in enumerate(_TRIGGER_VOCAB) if t and constraint.allows(i)]
+        constraint.advance(rng.choice(allowed))
+    return constraint.generated_text
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_triggered_calls_random_walk_always_parses(parallel: bool) -> None:
+    import jsonschema
+
+    from clora_feedback.chat_format.constraint import triggered_grammar
+
+    grammar = triggered_grammar(_STRICT_TOOLS, parallel=parallel)
+    rng = random.Random(3)
+    opened = [_TRIGGER_VOCAB.index(t) for t in ("hi ", "<tool", "_call>")]
+    calls_seen = 0
+    for _ in range(120):
+        constraint = JSONCallConstraint.from_grammar(_TRIGGER_VOCAB, grammar)
+        text = _free_walk(constraint, rng, opened)
+        suffix = constraint.closing_suffix()
+        _, calls = parse_tool_calls(text + suffix)
+        assert calls, text + suffix  # the opened call always parses, whatever followed
+        assert parallel or (len(calls) == 1 and constraint.is_done() == (suffix == ""))
+        for call in calls:
+            schema = _STRICT_TOOLS[call.name] or {"type": "object"}
+            jsonschema.validate(json.loads(call.arguments), schema)
+        calls_seen += len(calls)
+    assert calls_seen >= 120
+
+
+def test_triggered_calls_leave_free_text_free() -> None:
+    from clora_feedback.chat_format.constraint import triggered_grammar
+
+    texts = ["plain <b>text</b> ", "<tool_", "call>", "x", "", '{"name": "get_time"']
+    constraint = JSONCallConstraint.from_grammar(
+        texts, triggered_grammar(_STRICT_TOOLS, parallel=True)
+    )
+    assert all(constraint.allows(i) for i in range(len(texts)))  # the end of turn too
+    constraint.advance(0)
+    constraint.advance(1)
+    assert constraint.allows(4) and constraint.allows(2)
+    constraint.advance(2)  # `<tool_call>` is complete: the call is constrained now
+    assert not constraint.allows(3) and not constraint.allows(4)  # no text, no end of turn
+    assert constraint.allows(5)
+    assert not constraint.is_done()
+    assert constraint.closing_suffix().endswith("}</tool_call>")

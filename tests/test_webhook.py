@@ -9,6 +9,8 @@ end-to-end path through the full gateway is in `test_feedback_client.py`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import socket
 import threading
@@ -94,7 +96,12 @@ def feedback_app(store: FeedbackStore, settings: Settings, sink: Any = None) -> 
     app = FastAPI()
     app.state.authenticator = KeyAuthenticator(settings)
     install_error_handlers(app)
-    ingest = FeedbackIngest(store, LogDeadLetters(), park_ttl_s=settings.feedback.park_ttl_s)
+    ingest = FeedbackIngest(
+        store,
+        LogDeadLetters(),
+        park_ttl_s=settings.feedback.park_ttl_s,
+        max_parked_per_agent=settings.feedback.max_parked_per_agent,
+    )
     app.include_router(build_feedback_router(ingest, settings, sink))
     return app
 
@@ -413,3 +420,106 @@ async def test_rejoiner_joins_parked_webhook_feedback(store: FeedbackStore) -> N
     assert [r["value"] for r in store.rewards_for("c-soon")] == [1.0]
     state, reason = store.event_state("never") or ("?", None)
     assert state == "dead" and reason is not None and "c-x" in reason
+
+
+# -- tenancy, parking limits, timestamped signatures (issue 12, items 3, 5, 6) -------------
+
+
+def test_same_event_id_from_two_agents_both_apply(start: Start, store: FeedbackStore) -> None:
+    http = start()
+    a = http.post("/v1/feedback", json=resolution("ticket-be18d9", "c-support"), headers=SUPPORT)
+    assert a.status_code == 200 and a.json()["joined"] == ["ticket-be18d9"]
+    b = http.post(
+        "/v1/feedback", json=resolution("ticket-be18d9", "c-sales", agent="sales"), headers=SALES
+    )
+    assert b.status_code == 200, b.text
+    assert b.json()["joined"] == ["ticket-be18d9"] and b.json()["duplicates"] == []
+    assert [r["value"] for r in store.rewards_for("c-sales")] == [1.0]
+    again = http.post(
+        "/v1/feedback", json=resolution("ticket-be18d9", "c-sales", agent="sales"), headers=SALES
+    )
+    assert again.status_code == 200 and again.json()["duplicates"] == ["ticket-be18d9"]
+
+
+def test_parked_limit_answers_429_with_retry_after(start: Start, store: FeedbackStore) -> None:
+    http = start(feedback=FeedbackConfig(max_parked_per_agent=2))
+    parked = http.post(
+        "/v1/feedback", json=[resolution("p1", "c-a"), resolution("p2", "c-b")], headers=SUPPORT
+    )
+    assert parked.status_code == 202 and parked.json()["parked"] == ["p1", "p2"]
+    over = http.post(
+        "/v1/feedback",
+        json=[resolution("ok", "c-support-2"), resolution("p3", "c-c")],
+        headers=SUPPORT,
+    )
+    assert over.status_code == 429, over.text
+    assert int(over.headers["retry-after"]) >= 1
+    error = error_of(over)
+    assert (error["type"], error["code"]) == ("rate_limit_error", "parked_limit")
+    assert "max_parked_per_agent" in error["message"]
+    # Nothing of the refused batch was applied: the sender resends it as is.
+    assert store.event_state("ok") is None and store.event_state("p3") is None
+    # The other tenant parks on its own budget.
+    other = http.post("/v1/feedback", json=resolution("s1", "c-x", agent="sales"), headers=SALES)
+    assert other.status_code == 202
+    # Once a parked event joins, a place is free again.
+    store.trajectories.record(trajectory("c-a"))
+    assert store.rejoin_parked(ttl_s=60)[0] == ["p1"]
+    retried = http.post(
+        "/v1/feedback",
+        json=[resolution("ok", "c-support-2"), resolution("p3", "c-c")],
+        headers=SUPPORT,
+    )
+    assert retried.status_code == 202 and retried.json()["parked"] == ["p3"]
+
+
+def signed(body: bytes, secret: str = "s3cret", age_s: float = 0.0) -> dict[str, str]:
+    return {**ADMIN, SIGNATURE_HEADER: sign_body(body, secret, timestamp=int(time.time() - age_s))}
+
+
+def test_signatures_carry_a_timestamp(start: Start, store: FeedbackStore) -> None:
+    http = start(feedback=FeedbackConfig(webhook_secret="s3cret"))
+    body = json.dumps(resolution("e1", "c-support")).encode()
+
+    def post(headers: dict[str, str]) -> httpx.Response:
+        return http.post("/v1/feedback", content=body, headers=headers)
+
+    # A request captured and replayed outside the window, or dated ahead of it: refused.
+    for age in (301.0, -301.0):
+        replay = post(signed(body, age_s=age))
+        assert replay.status_code == 401 and error_of(replay)["code"] == "signature_expired"
+    # A changed timestamp breaks the HMAC, whatever its value.
+    good = signed(body)[SIGNATURE_HEADER]
+    t = int(good.split(",")[0].removeprefix("t="))
+    for forged in (t + 1, t - 1000):
+        tampered = post({**ADMIN, SIGNATURE_HEADER: good.replace(f"t={t}", f"t={forged}")})
+        assert tampered.status_code == 401 and error_of(tampered)["code"] == "invalid_signature"
+    # The old body-only form, even correctly computed, is refused with the new form named.
+    legacy_mac = hmac.new(b"s3cret", body, hashlib.sha256).hexdigest()
+    legacy = post({**ADMIN, SIGNATURE_HEADER: f"sha256={legacy_mac}"})
+    assert legacy.status_code == 401 and error_of(legacy)["code"] == "invalid_signature"
+    assert "t=<unix seconds>,v1=" in error_of(legacy)["message"]
+    for malformed in (
+        f"t={t}",
+        f"v1={legacy_mac}",
+        f"t=soon,v1={legacy_mac}",
+        f"t={t},t={t},{good}",
+    ):
+        response = post({**ADMIN, SIGNATURE_HEADER: malformed})
+        assert response.status_code == 401 and error_of(response)["code"] == "invalid_signature"
+    assert store.event_state("e1") is None
+
+    # Rotation: one v1 per secret; the entry for the server's secret is enough.
+    rotating = sign_body(body, ["the-next-secret", "s3cret"])
+    assert rotating.count("v1=") == 2
+    accepted = post({**ADMIN, SIGNATURE_HEADER: rotating})
+    assert accepted.status_code == 200 and accepted.json()["joined"] == ["e1"]
+    assert post(signed(body, age_s=250)).json()["duplicates"] == ["e1"]  # inside the window
+
+
+def test_signature_tolerance_is_configurable(start: Start) -> None:
+    http = start(feedback=FeedbackConfig(webhook_secret="k", signature_tolerance_s=30))
+    body = json.dumps(resolution("e1", "c-support")).encode()
+    late = http.post("/v1/feedback", content=body, headers=signed(body, "k", age_s=60))
+    assert late.status_code == 401 and error_of(late)["code"] == "signature_expired"
+    assert http.post("/v1/feedback", content=body, headers=signed(body, "k")).status_code == 200

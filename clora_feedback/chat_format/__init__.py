@@ -9,6 +9,7 @@ Modules:
     calls        the `<tool_call>` tag: writing one, parsing calls (whole and streamed)
     json_prefix  the incremental JSON validator, optionally guided by a compiled JSON Schema
     schema       JSON Schema (the supported subset) -> the validator's schema nodes
+    trigger      free text in which every call the model opens is constrained
     constraint   the token constraint built on them, and the vocabulary's token texts
 
 Not here: HTTP, engine scheduling, sampling.

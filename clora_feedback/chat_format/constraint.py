@@ -11,6 +11,11 @@ plain JSON Schemas; an engine compiles a declarative spec with them, and the
 gateway replays finished text through them (`completion_suffix`) to close a call
 that `max_tokens` cut short.
 
+When the model may choose (`tool_choice` "auto"), `triggered_grammar` leaves the
+text free until the model opens a call with `<tool_call>`, and constrains the
+call from there (the tool's name, then its arguments' schema; see `trigger`):
+a call the model chooses is as well formed as a forced one.
+
 Not here: HTTP, the engine, parsing of the finished text (that is
 `calls.parse_tool_calls`).
 """
@@ -24,12 +29,18 @@ from typing import Any, Protocol
 
 from clora_feedback.chat_format.json_prefix import CallMode, JSONPrefix
 from clora_feedback.chat_format.schema import compile_schema
+from clora_feedback.chat_format.trigger import TriggeredCalls
+
+Grammar = JSONPrefix | TriggeredCalls
+"""A character grammar a `JSONCallConstraint` follows."""
 
 __all__ = [
+    "Grammar",
     "JSONCallConstraint",
     "call_grammar",
     "completion_suffix",
     "object_grammar",
+    "triggered_grammar",
     "vocab_texts",
 ]
 
@@ -74,7 +85,29 @@ def object_grammar(
     return JSONPrefix.for_object(node, max_whitespace)
 
 
-def completion_suffix(grammar: JSONPrefix, text: str) -> str:
+def triggered_grammar(
+    functions: Mapping[str, Mapping[str, Any] | None],
+    *,
+    parallel: bool,
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+) -> TriggeredCalls:
+    """Free text in which every call the model opens follows `functions` (see `trigger`).
+
+    Args:
+        functions: function name -> its `parameters` JSON Schema (None: any object).
+        parallel: several calls may be made; false: the reply ends with the first call.
+        max_whitespace: see `JSONPrefix.for_call`.
+
+    Raises:
+        InvalidRequestError: a parameter schema is malformed or unsatisfiable.
+    """
+    if not functions:
+        raise ValueError("a triggered call grammar needs at least one function")
+    call = call_grammar(functions, None, max_whitespace=max_whitespace)
+    return TriggeredCalls(call, parallel=parallel, max_whitespace=max_whitespace)
+
+
+def completion_suffix(grammar: Grammar, text: str) -> str:
     """Text that completes `text` under `grammar` ("" when complete, or when `text` strays)."""
     state = grammar.copy()
     if not state.push(text):
@@ -90,12 +123,13 @@ class JSONCallConstraint:
 
     Args:
         token_texts: decoded text of every token id (see `vocab_texts`); an
-            empty text (special tokens) is never allowed.
+            empty text (special tokens) is allowed only in a grammar's free text.
         mode: "named" or "required" (see `JSONPrefix.for_call`).
         tool_names: the tools the model may pick in "required" mode.
         max_whitespace: cap on consecutive structural whitespace characters.
 
-    `from_grammar` builds one over any `JSONPrefix` (a schema-guided call or object).
+    `from_grammar` builds one over any `Grammar` (a schema-guided call or object, or
+    free text with calls).
     """
 
     def __init__(
@@ -107,13 +141,13 @@ class JSONCallConstraint:
         max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
     ) -> None:
         self._texts = token_texts
-        self._state = JSONPrefix.for_call(mode, tool_names, max_whitespace)
+        self._state: Grammar = JSONPrefix.for_call(mode, tool_names, max_whitespace)
         self._generated: list[str] = []
         # allows() is usually followed by advance() on the same token: keep its result.
-        self._checked: tuple[int, JSONPrefix] | None = None
+        self._checked: tuple[int, Grammar] | None = None
 
     @classmethod
-    def from_grammar(cls, token_texts: Sequence[str], grammar: JSONPrefix) -> JSONCallConstraint:
+    def from_grammar(cls, token_texts: Sequence[str], grammar: Grammar) -> JSONCallConstraint:
         """A constraint that follows `grammar` (copied; see `call_grammar`, `object_grammar`)."""
         new = cls.__new__(cls)
         new._texts = token_texts
@@ -127,7 +161,7 @@ class JSONCallConstraint:
         if not 0 <= token_id < len(self._texts):
             return False
         text = self._texts[token_id]
-        if not text:
+        if not text and not self._state.free:  # special tokens (end of turn): free text only
             return False
         state = self._state.copy()
         if not state.push(text):

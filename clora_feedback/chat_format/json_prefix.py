@@ -200,6 +200,11 @@ class JSONPrefix:
         """True once the grammar is complete; no character is accepted after that."""
         return self._mode == _DONE
 
+    @property
+    def free(self) -> bool:
+        """Never: every character belongs to the JSON (`trigger.TriggeredCalls` has free text)."""
+        return False
+
     def push(self, text: str) -> bool:
         """Feed `text`; False if some character of it breaks the grammar."""
         return all(self._step(c) for c in text)

@@ -12,7 +12,8 @@ Format
 "# Tools" block listing each function as one JSON line `{"name", "description",
 "parameters": <JSON schema>}` inside `<tools>...</tools>`, then the call format,
 then the rule: a call is optional ("auto"), at least one is mandatory
-("required"), or the named function must be called.
+("required"), or the named function must be called; with `parallel_tool_calls`
+false the block says at most one call (and no longer that several are allowed).
 
 **A call.** The `<tool_call>` tag (see `calls`, which writes and parses it).
 Earlier assistant `tool_calls` are rendered back with `calls.format_call`, so
@@ -102,7 +103,7 @@ def _resolve_choice(tool_choice: str | dict[str, Any] | None, names: list[str]) 
     return f"fn:{name}"
 
 
-def _tools_block(tools: list[dict[str, Any]], choice: str) -> str:
+def _tools_block(tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
     lines = []
     for tool in tools:
         fn = tool["function"]
@@ -125,8 +126,11 @@ def _tools_block(tools: list[dict[str, Any]], choice: str) -> str:
         "<tools>\n" + "\n".join(lines) + "\n</tools>\n\n"
         "To call a function, write exactly one tag per call, with the arguments as a JSON object:\n"
         f'{CALL_OPEN}{{"name": "<function name>", "arguments": {{...}}}}{CALL_CLOSE}\n'
-        "You may make several calls in one reply. Each result comes back in a tool message as "
-        '<tool_response name="<function name>">...</tool_response>.\n' + rule
+        + ("You may make several calls in one reply. " if parallel else "")
+        + "Each result comes back in a tool message as "
+        '<tool_response name="<function name>">...</tool_response>.\n'
+        + rule
+        + ("" if parallel else " Make at most one call in this reply.")
     )
 
 
@@ -175,6 +179,8 @@ def render_messages(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     tool_choice: str | dict[str, Any] | None,
+    *,
+    parallel_calls: bool = True,
 ) -> list[dict[str, str]]:
     """Turn OpenAI chat messages with tools into plain `{"role", "content": str}` messages.
 
@@ -183,6 +189,8 @@ def render_messages(
         tools: OpenAI `tools` (`{"type": "function", "function": {...}}`), or None.
         tool_choice: "none", "auto", "required", `{"type": "function", "function":
             {"name": ...}}`, or None (OpenAI's default: "auto" with tools, else "none").
+        parallel_calls: the reply may make several calls (`parallel_tool_calls`);
+            false: the prompt says at most one.
 
     Returns:
         messages with roles system/user/assistant/tool and string content, in
@@ -216,7 +224,7 @@ def render_messages(
             content = _text_content(msg, where, allow_none=False)
         out.append({"role": "system" if role == "developer" else str(role), "content": content})
     if tool_list and choice != "none":
-        block = _tools_block(tool_list, choice)
+        block = _tools_block(tool_list, choice, parallel_calls)
         if out[0]["role"] == "system":
             out[0] = {"role": "system", "content": block + "\n\n" + out[0]["content"]}
         else:

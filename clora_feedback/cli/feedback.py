@@ -6,8 +6,9 @@ object, a JSON list, or JSON Lines) or from flags describing one event:
     clora feedback send --url http://127.0.0.1:8000 --api-key KEY \\
         --kind resolution --agent support --completion-id chatcmpl-... --outcome resolved
 
-Delivery is the webhook (`--url`, with `--api-key` and `--secret` to sign) or
-Kafka (`--kafka host:port`). Events without an `event_id` get a fresh one.
+Delivery is the webhook (`--url`, with `--api-key`, and `--secret` to sign
+each request as `t=<unix seconds>,v1=<hex>`; repeat `--secret` during a
+rotation) or Kafka (`--kafka host:port`). Events without an `event_id` get a fresh one.
 The receipt is printed as JSON on stdout.
 
 Exit status: 0 when every event was taken (joined, parked, duplicate or produced),
@@ -43,7 +44,12 @@ def add_feedback_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     where = send.add_argument_group("delivery")
     where.add_argument("--url", default=None, help=f"Gateway URL (default {DEFAULT_URL}).")
     where.add_argument("--api-key", default=None, help="Bearer API key for the webhook.")
-    where.add_argument("--secret", default=None, help="Webhook secret: sign the body (HMAC).")
+    where.add_argument(
+        "--secret",
+        action="append",
+        default=None,
+        help="Webhook secret: sign each request (timestamped HMAC); repeat while rotating.",
+    )
     where.add_argument("--kafka", default=None, metavar="BOOTSTRAP", help="Produce to Kafka.")
     where.add_argument("--timeout", type=float, default=30.0, help="Seconds per attempt.")
 

@@ -1,4 +1,4 @@
-"""The `clora` command line: `serve`, `ingest`, `demo`, `feedback`, `adapters`, `bench`.
+"""The `clora` command line: `serve`, `ingest`, `store`, `demo`, `feedback`, `adapters`, `bench`.
 
 Argument parsing only; each subcommand hands typed settings to the component
 that does the work. Environment variables are read by `clora_feedback.config`.
@@ -25,6 +25,11 @@ def _serve(args: argparse.Namespace) -> int:
         settings.engine.kind = args.engine
     if args.vllm_url:
         settings.engine.vllm.urls = list(args.vllm_url)
+    vllm = settings.engine.vllm
+    if settings.engine.kind == "vllm" and not vllm.urls:  # start and supervise one locally
+        vllm.local.enabled = True
+        if vllm.local.log_dir is None:
+            vllm.local.log_dir = settings.data_dir / "vllm"
     serve(settings)
     return 0
 
@@ -38,6 +43,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from clora_feedback.bench import run_bench
 
+    if args.what == "prefix":  # clora_feedback.bench.prefix: the prefix cache's TTFT
+        from clora_feedback.bench.prefix import run
+
+        return run(args.extra)
     return run_bench(args.what, args.extra)
 
 
@@ -64,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-url",
         action="append",
         default=None,
-        help="A vLLM OpenAI server's base URL (engine.vllm.urls; repeatable).",
+        help="A vLLM OpenAI server's base URL (engine.vllm.urls; repeatable, one per replica). "
+        "With --engine vllm and no URL, a local vLLM server is started and supervised "
+        "(engine.vllm.local).",
     )
     serve.set_defaults(func=_serve)
 
@@ -79,15 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     from clora_feedback.cli.adapters import add_adapters_parser
     from clora_feedback.cli.feedback import add_feedback_parser
     from clora_feedback.cli.ingest import add_ingest_parser
+    from clora_feedback.cli.store import add_store_parser
 
     add_ingest_parser(sub)
+    add_store_parser(sub)
     add_feedback_parser(sub)
     add_adapters_parser(sub)
 
     bench = sub.add_parser("bench", help="Run a benchmark and print its table.")
     from clora_feedback.bench import BENCHMARKS
 
-    bench.add_argument("what", choices=BENCHMARKS, help="Which benchmark.")
+    bench.add_argument("what", choices=(*BENCHMARKS, "prefix"), help="Which benchmark.")
     bench.add_argument("extra", nargs=argparse.REMAINDER, help="Options passed to the benchmark.")
     bench.set_defaults(func=_bench)
     return parser

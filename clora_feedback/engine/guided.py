@@ -1,7 +1,8 @@
 """Compiling a request's declarative constraint (`GuidedDecoding`) into a token constraint.
 
-In-process engines call `compile_guided` when a request arrives: a
-`ToolCallSpec` becomes the chat format's forced-call grammar and a
+In-process engines call `compile_guided` when a request arrives: a forced
+`ToolCallSpec` becomes the chat format's forced-call grammar, an "on_trigger"
+one its free-text-with-calls grammar (constrained from `<tool_call>` on), and a
 `JSONSchemaSpec` its one-object grammar, each guided by the compiled schema
 (see `clora_feedback.chat_format.schema` for the subset enforced and the
 fallbacks), over the engine's own token texts. An engine that runs out of
@@ -14,7 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from clora_feedback.chat_format.constraint import JSONCallConstraint, call_grammar, object_grammar
+from clora_feedback.chat_format.constraint import (
+    Grammar,
+    JSONCallConstraint,
+    call_grammar,
+    object_grammar,
+    triggered_grammar,
+)
 from clora_feedback.engine.types import (
     EngineCapabilities,
     GuidedDecoding,
@@ -28,10 +35,13 @@ from clora_feedback.errors import InvalidRequestError
 def check_supported(guided: GuidedDecoding | None, capabilities: EngineCapabilities) -> None:
     """Raise `InvalidRequestError` (400) when the engine does not compile this kind of spec."""
     if guided is not None and guided.kind not in capabilities.constraints:
+        param = "response_format"
+        if isinstance(guided, ToolCallSpec):
+            param = "tool_choice" if guided.mode == "forced" else "tools"
         raise InvalidRequestError(
             f"this engine cannot enforce a {guided.kind!r} constraint "
             f"(it supports: {', '.join(sorted(capabilities.constraints)) or 'none'})",
-            param="tool_choice" if isinstance(guided, ToolCallSpec) else "response_format",
+            param=param,
         )
 
 
@@ -46,7 +56,11 @@ def compile_guided(guided: GuidedDecoding, token_texts: Sequence[str]) -> TokenC
         InvalidRequestError: a schema is malformed or unsatisfiable, or the forced
             function is not among the spec's functions.
     """
-    if isinstance(guided, ToolCallSpec):
+    if isinstance(guided, ToolCallSpec) and guided.mode == "on_trigger":
+        if not guided.functions:
+            raise InvalidRequestError("tool calls need tools", param="tools")
+        grammar: Grammar = triggered_grammar(guided.functions, parallel=guided.parallel)
+    elif isinstance(guided, ToolCallSpec):
         if guided.name is not None and guided.name not in guided.functions:
             raise InvalidRequestError(
                 f"the forced function {guided.name!r} is not among the tools", param="tool_choice"

@@ -160,6 +160,9 @@ def _die_with_parent() -> None:
 class LocalBroker:
     """A Tansu broker on a free loopback port, owned by this process.
 
+    It listens on 127.0.0.1 only (Tansu's own default is 0.0.0.0): it speaks
+    PLAINTEXT without authentication, so it must not be reachable from outside.
+
     Args:
         data_dir: Directory for the broker's log file; a temporary one (removed
             on stop) when None. Tansu keeps records in memory only (see module).
@@ -209,6 +212,11 @@ class LocalBroker:
         if self._port is None or self._proc is None:
             raise CloraError("the local broker is not running", code="broker_not_running")
         return f"127.0.0.1:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running broker (None when stopped)."""
+        return self._proc.pid if self._proc is not None else None
 
     @property
     def running(self) -> bool:

@@ -9,10 +9,14 @@ Both paths into the feedback store go through a `FeedbackIngest`:
                                                            +-- DeadLetterSink
 
 `apply` writes a batch in one store transaction on a worker thread, retrying a
-busy store (`retriable` errors) with backoff. `start` runs the one rejoin loop:
-every `rejoin_interval_s` parked events are retried, and those older than
-`park_ttl_s` (or found invalid when joined) die. A dead event has the same
-outcome on both paths:
+busy store (`retriable` errors) with backoff, and caps the parked events of each
+agent (`max_parked_per_agent`): beyond it the webhook's batch is refused whole
+(`OverloadedError`, 429 with `Retry-After`) and a Kafka event is rejected with
+reason `parked_limit`, which its consumer dead-letters. `start` runs the one
+rejoin loop: every `rejoin_interval_s` the store's bounded passes join the parked
+events that newly stored trajectories complete (never a scan of the backlog),
+and those older than `park_ttl_s` (or found invalid when joined) die. A dead
+event has the same outcome on both paths:
 
 1. the store marks it `dead` with its reason, in the rejoin transaction: this
    durable row is the record of truth (`FeedbackStore.event_state`);
@@ -35,13 +39,13 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from aiokafka.errors import KafkaError
 
-from clora_feedback.errors import CloraError, StoreError, UnavailableError
+from clora_feedback.errors import CloraError, OverloadedError, StoreError, UnavailableError
 from clora_feedback.feedback.records import (
     HEADER_REASON,
     HEADER_SOURCE_OFFSET,
@@ -52,10 +56,19 @@ from clora_feedback.feedback.records import (
     kafka_error,
     start_producer,
 )
-from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming, Rejected
+from clora_feedback.feedback.store import (
+    ApplyReport,
+    FeedbackStore,
+    Incoming,
+    ParkedLimit,
+    Rejected,
+)
 from clora_feedback.lifecycle import BackgroundTask
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PARKED = 1000
+"""`feedback.max_parked_per_agent`'s default, for ingests built without settings."""
 
 
 # -- value types --------------------------------------------------------------------------
@@ -105,6 +118,10 @@ class IngestMetrics:
     """Valid events the store refused (e.g. another agent's completion)."""
     expired: int = 0
     """Parked events that outlived the TTL (or turned out invalid when joined)."""
+    over_parked_limit: int = 0
+    """Events refused because their agent already had `max_parked_per_agent` parked."""
+    rejoin_examined: int = 0
+    """Parked events the rejoin passes loaded and tried (follows arrivals, not the backlog)."""
     dead_lettered: int = 0
     """Records handed to the dead-letter sink."""
 
@@ -158,6 +175,8 @@ class KafkaDeadLetters:
             cluster is a broker the service starts itself.
         topic: the dead-letter topic.
         client_id: client id shown by the broker.
+        client_options: more aiokafka producer arguments: security and the size
+            limit (`clora_feedback.feedback.records.dead_letter_options`).
     """
 
     def __init__(
@@ -166,17 +185,21 @@ class KafkaDeadLetters:
         topic: str,
         *,
         client_id: str = "clora-feedback-ingest-dlq",
+        client_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self._client_id = client_id
+        self._client_options = dict(client_options or {})
         self._producer: Any = None
 
     async def start(self) -> None:
         """Connect. Raises `UnavailableError` when the cluster cannot be reached."""
         if self.bootstrap_servers is None:
             raise CloraError("no bootstrap servers for the dead-letter topic", code="not_started")
-        self._producer = await start_producer(self.bootstrap_servers, client_id=self._client_id)
+        self._producer = await start_producer(
+            self.bootstrap_servers, client_id=self._client_id, **self._client_options
+        )
 
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
@@ -245,6 +268,7 @@ class FeedbackIngest(BackgroundTask):
         dead_letters: where dead events go (started and stopped with this component).
         park_ttl_s: how long a parked event waits for its trajectory.
         rejoin_interval_s: pause between rejoin rounds of the loop `start` runs.
+        max_parked_per_agent: most parked events one agent may have; None = no cap.
         metrics: the counters to update (a consumer passes its own, which extend these).
 
     Lifecycle: `await start()` (or `async with`) opens the sink and runs the
@@ -261,12 +285,14 @@ class FeedbackIngest(BackgroundTask):
         *,
         park_ttl_s: float,
         rejoin_interval_s: float = 2.0,
+        max_parked_per_agent: int | None = DEFAULT_MAX_PARKED,
         metrics: IngestMetrics | None = None,
     ) -> None:
         self.store = store
         self.dead_letters = dead_letters
         self.park_ttl_s = park_ttl_s
         self.rejoin_interval_s = rejoin_interval_s
+        self.max_parked_per_agent = max_parked_per_agent
         self.metrics = metrics if metrics is not None else IngestMetrics()
 
     async def start(self) -> None:
@@ -277,17 +303,35 @@ class FeedbackIngest(BackgroundTask):
         await super().stop()
         await self.dead_letters.stop()
 
-    async def apply(self, incoming: Sequence[Incoming], attempts: int = 3) -> ApplyReport:
+    async def apply(
+        self, incoming: Sequence[Incoming], attempts: int = 3, *, refuse_over_limit: bool = False
+    ) -> ApplyReport:
         """Apply a batch in one store transaction (worker thread); retry a busy store.
+
+        Args:
+            incoming: the events.
+            attempts: tries while the store is busy.
+            refuse_over_limit: an event beyond its agent's parked cap refuses the whole
+                batch (the webhook); by default only that event is rejected (Kafka).
 
         Raises:
             StoreError, UnavailableError: the store failed for good (nothing applied).
+            OverloadedError: `refuse_over_limit` and the cap was reached (code
+                `parked_limit`, `retry_after_s` set; nothing applied).
         """
         if not incoming:
             return ApplyReport()
+        limit = None
+        if self.max_parked_per_agent is not None:
+            # The next rejoin round is the first moment a place may free up.
+            retry = max(1.0, self.rejoin_interval_s)
+            limit = ParkedLimit(self.max_parked_per_agent, refuse_over_limit, retry)
         for attempt in range(attempts):
             try:
-                report = await asyncio.to_thread(self.store.apply, list(incoming))
+                report = await asyncio.to_thread(self.store.apply, list(incoming), limit=limit)
+            except OverloadedError:
+                self.metrics.over_parked_limit += 1
+                raise
             except (StoreError, UnavailableError) as exc:
                 if not exc.retriable or attempt == attempts - 1:
                     raise
@@ -299,18 +343,26 @@ class FeedbackIngest(BackgroundTask):
         raise AssertionError("unreachable")
 
     async def rejoin_parked(self, *, now: float | None = None) -> tuple[list[str], list[Rejected]]:
-        """Retry parked events once; dead-letter those past the TTL.
+        """One round: bounded store passes until none has more work; dead-letter the dead.
+
+        Each pass is its own short transaction on a worker thread, so webhook and
+        Kafka batches interleave with a long catch-up instead of waiting for it.
 
         Returns:
             (event ids joined now, events that died with their reasons).
         """
-        joined, dead = await asyncio.to_thread(
-            self.store.rejoin_parked, ttl_s=self.park_ttl_s, now=now
-        )
-        self.metrics.rejoined += len(joined)
-        self.metrics.expired += len(dead)
-        await self.dead_letter([DeadLetter.of_rejected(r) for r in dead])
-        return joined, dead
+        joined: list[str] = []
+        dead: list[Rejected] = []
+        while True:
+            report = await asyncio.to_thread(self.store.rejoin, ttl_s=self.park_ttl_s, now=now)
+            self.metrics.rejoined += len(report.joined)
+            self.metrics.expired += len(report.dead)
+            self.metrics.rejoin_examined += report.examined
+            await self.dead_letter([DeadLetter.of_rejected(r) for r in report.dead])
+            joined += report.joined
+            dead += report.dead
+            if not report.more:
+                return joined, dead
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         """Hand `letters` to the sink and count them (raises what the sink raises)."""
@@ -324,6 +376,7 @@ class FeedbackIngest(BackgroundTask):
         self.metrics.parked += len(report.parked)
         self.metrics.duplicates += len(report.duplicates)
         self.metrics.rejected += len(report.rejected)
+        self.metrics.over_parked_limit += sum(r.code == "parked_limit" for r in report.rejected)
 
     async def _run(self) -> None:
         while True:

@@ -4,7 +4,8 @@
 For every polled batch (at most `max_batch` records) it:
 
 1. decodes each record; bad UTF-8, bad JSON, a schema violation, a key that is
-   not the event's agent or an unknown agent make it *malformed*;
+   not the event's agent or an unknown agent make it *malformed*, and so does a
+   record over `max_record_bytes` (reason `too_large`, never parsed);
 2. applies the valid events in one SQLite transaction (`FeedbackIngest.apply`,
    on a worker thread), which dedupes by `event_id` and parks events whose
    completion is not stored yet;
@@ -23,6 +24,19 @@ On a rebalance the revoked partitions wait for the in-flight batch to commit
 with only the `clora.reason` header (their original record is long committed;
 the value is the event as stored).
 
+A batch that fails anywhere in steps 2-4 (the store locked or down, the
+dead-letter topic unreachable, a commit error) is not skipped: every partition
+of it is sought back to the batch's first offset, which is still the first
+uncommitted one, and the consumer reads it again after a pause that doubles
+from `retry_initial_s` up to `retry_max_s`, for as long as it takes. Nothing is
+committed past a record that was not applied or dead-lettered, and the consumer
+stays in its group meanwhile (it keeps polling; `stop` interrupts the pause).
+
+A dead letter that would not fit `dead_letter_max_bytes` (the dead-letter
+producer's `max_request_size`) is sent as a bounded JSON envelope instead of
+the original bytes (`records.fit_dead_letter`), so no record can wedge the
+consumer by its size.
+
 The record format and `FeedbackProducer` live in `records` and are re-exported
 here. Not here: the process entry (`clora ingest`, `clora_feedback.cli.ingest`),
 the broker (`broker`), the store, the Kafka lifecycle of `clora serve` (`pipeline`).
@@ -31,8 +45,9 @@ the broker (`broker`), the store, the Kafka lifecycle of `clora serve` (`pipelin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +57,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from clora_feedback.config import FeedbackConfig, KafkaConfig
 from clora_feedback.errors import CloraError, InvalidRequestError
 from clora_feedback.feedback.ingest import (
+    DEFAULT_MAX_PARKED,
     DeadLetter,
     FeedbackIngest,
     IngestMetrics,
@@ -58,6 +74,8 @@ from clora_feedback.feedback.records import (
     build_producer,
     close_quietly,
     decode_record,
+    fit_dead_letter,
+    kafka_client_options,
     kafka_error,
 )
 from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming, Rejected
@@ -100,6 +118,12 @@ class ConsumerMetrics(IngestMetrics):
     """Records that did not decode to a valid event of a known agent."""
     commit_failures: int = 0
     """Batches applied but not committed (the group moved on); they replay harmlessly."""
+    batch_retries: int = 0
+    """Failed batches (store or dead-letter topic down, commit error) read again from the start."""
+    too_large: int = 0
+    """Records over `max_record_bytes`, dead-lettered unparsed."""
+    truncated: int = 0
+    """Dead letters too large to send whole, sent as a truncated envelope."""
     lag: int | None = None
     """Records behind the high watermarks after the last batch (None until known)."""
 
@@ -149,6 +173,15 @@ class FeedbackConsumer(AsyncLifecycle):
             revocation waits for the in-flight batch, so this must exceed the
             longest batch (apply + dead-lettering + commit).
         client_id: Client id shown by the broker.
+        max_record_bytes: Largest record (key + value) parsed; larger ones are
+            dead-lettered unparsed with reason `too_large`.
+        dead_letter_max_bytes: Largest dead-letter record (the owned dead-letter
+            producer's `max_request_size`); larger ones go as a truncated envelope.
+        retry_initial_s: Pause before a failed batch is read again; it doubles
+            with each further failure in a row, up to `retry_max_s`.
+        retry_max_s: Longest pause between two reads of a failed batch.
+        client_options: More aiokafka arguments for the consumer and the owned
+            dead-letter producer: the cluster's security (`kafka_client_options`).
         commit_delay_s: Fault injection for tests: sleep between the durable
             write and the commit, widening the window a crash replays.
 
@@ -166,6 +199,7 @@ class FeedbackConsumer(AsyncLifecycle):
         max_batch: int = _DEFAULTS.max_batch,
         known_agents: KnownAgents | None = None,
         park_ttl_s: float = 3600.0,
+        max_parked_per_agent: int | None = DEFAULT_MAX_PARKED,
         rejoin_interval_s: float = 2.0,
         ingest: FeedbackIngest | None = None,
         metrics: ConsumerMetrics | None = None,
@@ -175,6 +209,11 @@ class FeedbackConsumer(AsyncLifecycle):
         fetch_max_wait_ms: int = 100,
         rebalance_timeout_ms: int = 60_000,
         client_id: str = "clora-feedback-ingest",
+        max_record_bytes: int = _DEFAULTS.max_record_bytes,
+        dead_letter_max_bytes: int = _DEFAULTS.dead_letter_max_bytes,
+        retry_initial_s: float = _DEFAULTS.retry_initial_s,
+        retry_max_s: float = _DEFAULTS.retry_max_s,
+        client_options: Mapping[str, Any] | None = None,
         commit_delay_s: float = 0.0,
     ):
         if max_batch < 1:
@@ -187,12 +226,23 @@ class FeedbackConsumer(AsyncLifecycle):
         self.max_batch = max_batch
         self.poll_timeout_ms = poll_timeout_ms
         self.commit_delay_s = commit_delay_s
+        self.max_record_bytes = max_record_bytes
+        self.dead_letter_max_bytes = dead_letter_max_bytes
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
         self.metrics = metrics if metrics is not None else ConsumerMetrics()
         self._owns_ingest = ingest is None
+        security = dict(client_options or {})
         self.ingest = ingest or FeedbackIngest(
             store,
-            KafkaDeadLetters(bootstrap_servers, dead_letter_topic, client_id=f"{client_id}-dlq"),
+            KafkaDeadLetters(
+                bootstrap_servers,
+                dead_letter_topic,
+                client_id=f"{client_id}-dlq",
+                client_options={**security, "max_request_size": dead_letter_max_bytes},
+            ),
             park_ttl_s=park_ttl_s,
+            max_parked_per_agent=max_parked_per_agent,
             rejoin_interval_s=rejoin_interval_s,
             metrics=self.metrics,
         )
@@ -203,6 +253,7 @@ class FeedbackConsumer(AsyncLifecycle):
             "rebalance_timeout_ms": rebalance_timeout_ms,
             "fetch_max_wait_ms": fetch_max_wait_ms,
             "client_id": client_id,
+            **security,
         }
         self._consumer: Any = None
         # Held from the moment a batch is taken until its offsets are committed; a
@@ -211,6 +262,8 @@ class FeedbackConsumer(AsyncLifecycle):
         self._closing = False
         self._running: asyncio.Event | None = None
         self._positions: dict[Any, int] = {}
+        self._failures = 0  # failed batches in a row
+        self._wake = asyncio.Event()  # set by `stop`: ends a retry pause early
 
     @property
     def park_ttl_s(self) -> float:
@@ -248,10 +301,12 @@ class FeedbackConsumer(AsyncLifecycle):
             await close_quietly(consumer.stop())
             raise
         self._consumer, self._closing = consumer, False
+        self._wake = asyncio.Event()
 
     async def stop(self) -> None:
         """Finish and commit the in-flight batch, leave the group, disconnect; idempotent."""
         self._closing = True
+        self._wake.set()
         if self._running is not None:
             await self._running.wait()  # `run` notices `_closing` within one poll timeout
         async with self._batch_lock:
@@ -262,11 +317,11 @@ class FeedbackConsumer(AsyncLifecycle):
                 await self.ingest.stop()
 
     async def run(self) -> None:
-        """Poll, apply, dead-letter and commit until `stop`.
+        """Poll, apply, dead-letter and commit until `stop`; a failed batch is retried.
 
         Raises:
-            StoreError, UnavailableError: the store or the cluster failed for good; the batch in
-                flight was not committed and replays on the next start.
+            UnavailableError: polling the cluster failed; nothing uncommitted was
+                skipped, so the next start resumes at the first unapplied record.
         """
         self._require_started()
         self._running = asyncio.Event()
@@ -289,10 +344,15 @@ class FeedbackConsumer(AsyncLifecycle):
     # -- one step each ----------------------------------------------------------------
 
     async def poll_once(self, timeout_ms: int | None = None) -> BatchReport | None:
-        """Take one batch and apply, dead-letter and commit it; None if nothing came.
+        """Take one batch and apply, dead-letter and commit it.
+
+        Returns:
+            What the batch did; None if nothing came, or if the batch failed: then
+            its partitions were sought back to its first offsets and this waited
+            the retry pause, so the next call reads the same records again.
 
         Raises:
-            StoreError: see `run`.
+            UnavailableError: polling failed (see `run`).
         """
         consumer = self._require_started()
         try:
@@ -305,7 +365,16 @@ class FeedbackConsumer(AsyncLifecycle):
         if not batch:
             return None
         async with self._batch_lock:
-            return await self._process(batch)
+            try:
+                report = await self._process(batch)
+            except Exception as exc:  # any failure: the batch must be read again, not skipped
+                self._rewind(batch)
+                failure = exc
+            else:
+                self._failures = 0
+                return report
+        await self._back_off(failure, sum(len(records) for records in batch.values()))
+        return None
 
     async def rejoin_parked(self, *, now: float | None = None) -> tuple[list[str], list[Rejected]]:
         """One round of the ingest's rejoin (see `FeedbackIngest.rejoin_parked`)."""
@@ -314,17 +383,8 @@ class FeedbackConsumer(AsyncLifecycle):
     # -- the batch ----------------------------------------------------------------------
 
     async def _process(self, batch: dict[Any, list[Any]]) -> BatchReport:
-        known = set(self._known_agents()) if self._known_agents is not None else None
-        valid: list[tuple[Any, Event]] = []
-        bad: list[tuple[Any, str]] = []
-        for records in batch.values():
-            for record in records:
-                try:
-                    valid.append((record, decode_record(record.key, record.value, known)))
-                except InvalidRequestError as exc:
-                    bad.append((record, exc.message))
-        self.metrics.records += len(valid) + len(bad)
-        self.metrics.malformed += len(bad)
+        valid, bad = self._decode(batch)
+        malformed, too_large = len(bad), sum(_size(r) > self.max_record_bytes for r, _ in bad)
 
         report = await self.ingest.apply([Incoming(e, _origin(r)) for r, e in valid])
         refused = {(r.event_id, r.payload): r.reason for r in report.rejected}
@@ -333,7 +393,16 @@ class FeedbackConsumer(AsyncLifecycle):
                 reason = refused.get((event.event_id, event.model_dump_json()))
                 if reason is not None:
                     bad.append((record, f"refused by the store: {reason}"))
-        await self.ingest.dead_letter([_letter(r, reason) for r, reason in bad])
+        letters = [_letter(r, reason, self.dead_letter_max_bytes) for r, reason in bad]
+        await self.ingest.dead_letter(letters)
+        # Counted once the batch can no longer fail before its commit, so a retried
+        # batch is not counted twice.
+        self.metrics.records += len(valid) + malformed
+        self.metrics.malformed += malformed
+        self.metrics.too_large += too_large
+        self.metrics.truncated += sum(
+            d.value is not r.value for d, (r, _) in zip(letters, bad, strict=True)
+        )
         self._mirror(report, dead_lettered=len(bad))
         if self.commit_delay_s:
             await asyncio.sleep(self.commit_delay_s)
@@ -349,6 +418,58 @@ class FeedbackConsumer(AsyncLifecycle):
             if committed
             else {},
         )
+
+    def _decode(
+        self, batch: dict[Any, list[Any]]
+    ) -> tuple[list[tuple[Any, Event]], list[tuple[Any, str]]]:
+        """(record, event) for the valid records, (record, reason) for the malformed ones."""
+        known = set(self._known_agents()) if self._known_agents is not None else None
+        valid: list[tuple[Any, Event]] = []
+        bad: list[tuple[Any, str]] = []
+        for records in batch.values():
+            for record in records:
+                size = _size(record)
+                if size > self.max_record_bytes:
+                    # Not parsed: a huge value would cost the event loop its JSON parse.
+                    reason = (
+                        f"too_large: {size} bytes, over max_record_bytes {self.max_record_bytes}"
+                    )
+                    bad.append((record, reason))
+                    continue
+                try:
+                    valid.append((record, decode_record(record.key, record.value, known)))
+                except InvalidRequestError as exc:
+                    bad.append((record, exc.message))
+        return valid, bad
+
+    def _rewind(self, batch: dict[Any, list[Any]]) -> None:
+        """Seek the batch's partitions back to its first records, still the first uncommitted.
+
+        A revocation waits for the batch lock, so the partitions are still ours here;
+        one lost otherwise (an expired session) resumes at its committed offset anyway.
+        """
+        assigned = self._consumer.assignment()
+        for tp, records in batch.items():
+            if tp in assigned:
+                self._consumer.seek(tp, records[0].offset)
+
+    async def _back_off(self, failure: Exception, records: int) -> None:
+        """Count and log a failed batch, then pause (capped doubling) unless stopping."""
+        self._failures += 1
+        self.metrics.batch_retries += 1
+        delay = min(self.retry_max_s, self.retry_initial_s * 2.0 ** min(self._failures - 1, 30))
+        why = failure.message if isinstance(failure, CloraError) else repr(failure)
+        log.warning(
+            "feedback batch of %d records failed (%d in a row): %s; nothing committed, "
+            "reading it again from its first offsets in %.2f s",
+            records,
+            self._failures,
+            why,
+            delay,
+        )
+        if not self._closing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
 
     def _mirror(self, report: ApplyReport, *, dead_lettered: int) -> None:
         """The ingest counted this batch into its metrics; count it into ours if they differ."""
@@ -403,13 +524,25 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
         log.info("partitions assigned: %s", sorted(f"{t.topic}/{t.partition}" for t in assigned))
 
 
+def _size(record: Any) -> int:
+    return len(record.key or b"") + len(record.value or b"")
+
+
 def _origin(record: Any) -> str:
     return f"kafka:{record.topic}/{record.partition}@{record.offset}"
 
 
-def _letter(record: Any, reason: str) -> DeadLetter:
+def _letter(record: Any, reason: str, max_bytes: int) -> DeadLetter:
+    """The record as a dead letter: its own key and bytes, or an envelope when too large."""
     position = SourcePosition(record.topic, record.partition, record.offset)
-    return DeadLetter(record.key, record.value, reason, position)
+    key, value = fit_dead_letter(
+        record.key,
+        record.value,
+        reason,
+        source=(record.topic, record.partition, record.offset),
+        max_bytes=max_bytes,
+    )
+    return DeadLetter(key, value, reason, position)
 
 
 # -- builders ---------------------------------------------------------------------------
@@ -423,16 +556,21 @@ def build_consumer(
     known_agents: KnownAgents | None = None,
     **options: Any,
 ) -> FeedbackConsumer:
-    """A consumer wired from configuration; `options` pass through (e.g. session timeouts)."""
+    """A consumer wired from configuration; `options` (e.g. session timeouts) override it."""
     kafka = config.kafka
+    configured: dict[str, Any] = {
+        "topics": kafka.topics,
+        "dead_letter_topic": kafka.dead_letter_topic,
+        "group_id": kafka.group_id,
+        "max_batch": kafka.max_batch,
+        "park_ttl_s": config.park_ttl_s,
+        "max_parked_per_agent": config.max_parked_per_agent,
+        "max_record_bytes": kafka.max_record_bytes,
+        "dead_letter_max_bytes": kafka.dead_letter_max_bytes,
+        "retry_initial_s": kafka.retry_initial_s,
+        "retry_max_s": kafka.retry_max_s,
+        "client_options": kafka_client_options(kafka),
+    }
     return FeedbackConsumer(
-        store,
-        bootstrap_servers,
-        topics=kafka.topics,
-        dead_letter_topic=kafka.dead_letter_topic,
-        group_id=kafka.group_id,
-        max_batch=kafka.max_batch,
-        known_agents=known_agents,
-        park_ttl_s=config.park_ttl_s,
-        **options,
+        store, bootstrap_servers, known_agents=known_agents, **{**configured, **options}
     )

@@ -32,7 +32,12 @@ from clora_feedback.errors import StoreError
 from clora_feedback.feedback.broker import LocalBroker
 from clora_feedback.feedback.ingest import FeedbackIngest, KafkaDeadLetters, LogDeadLetters
 from clora_feedback.feedback.kafka import ConsumerMetrics, FeedbackConsumer, build_consumer
-from clora_feedback.feedback.records import Delivery, FeedbackProducer, build_producer
+from clora_feedback.feedback.records import (
+    Delivery,
+    FeedbackProducer,
+    build_producer,
+    dead_letter_options,
+)
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.schemas.feedback import Event
 
@@ -43,7 +48,7 @@ class FeedbackPipeline:
     """A local broker when needed, the webhook's producer, the consumer group, the ingest.
 
     Args:
-        config: the feedback settings (`kafka`, `park_ttl_s`).
+        config: the feedback settings (`kafka`, `park_ttl_s`, `max_parked_per_agent`).
         store: the feedback store every path applies to.
         known_agents: the accepted agent names (asked once per consumed batch).
         broker_dir: where an embedded broker keeps its files.
@@ -70,12 +75,17 @@ class FeedbackPipeline:
         self._dlq: KafkaDeadLetters | None = None
         if self.enabled:
             kafka = config.kafka
-            self._dlq = KafkaDeadLetters(kafka.bootstrap_servers, kafka.dead_letter_topic)
+            self._dlq = KafkaDeadLetters(
+                kafka.bootstrap_servers,
+                kafka.dead_letter_topic,
+                client_options=dead_letter_options(kafka),
+            )
         self.ingest = FeedbackIngest(
             store,
             self._dlq or LogDeadLetters(),
             park_ttl_s=config.park_ttl_s,
             rejoin_interval_s=rejoin_interval_s,
+            max_parked_per_agent=config.max_parked_per_agent,
             metrics=self.metrics,
         )
         self._task: asyncio.Task[None] | None = None

@@ -11,6 +11,11 @@ keeps the two in step.
   `InvalidRequestError` whose message is the dead-letter reason.
 - `FeedbackProducer`: writes events (the webhook and `FeedbackClient` use it; the
   SDK imports it from here, never from the consumer).
+- `kafka_client_options`: the security keyword arguments (TLS, SASL) every aiokafka
+  client we build gets from `KafkaConfig`; `dead_letter_options` adds the
+  dead-letter size limit.
+- `fit_dead_letter`: a record too large for the dead-letter topic becomes a
+  bounded JSON envelope (its position, key, size, reason and a value prefix).
 
 aiokafka errors are translated here and in `kafka` into `UnavailableError`
 (retriable, code `kafka_error`). Not here: consuming (`kafka`), the broker.
@@ -21,16 +26,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from aiokafka.helpers import create_ssl_context
 from pydantic import ValidationError
 
-from clora_feedback.config import KafkaConfig
-from clora_feedback.errors import CloraError, InvalidRequestError, UnavailableError
+from clora_feedback.config import DEAD_LETTER_HEADROOM, KafkaConfig
+from clora_feedback.errors import CloraError, ConfigError, InvalidRequestError, UnavailableError
 from clora_feedback.lifecycle import AsyncLifecycle
 from clora_feedback.schemas.feedback import Event, parse_event
 from clora_feedback.schemas.paths import json_path
@@ -43,7 +49,10 @@ __all__ = [
     "Delivery",
     "FeedbackProducer",
     "build_producer",
+    "dead_letter_options",
     "decode_record",
+    "fit_dead_letter",
+    "kafka_client_options",
 ]
 
 HEADER_REASON = "clora.reason"
@@ -51,6 +60,7 @@ HEADER_SOURCE_TOPIC = "clora.source.topic"
 HEADER_SOURCE_PARTITION = "clora.source.partition"
 HEADER_SOURCE_OFFSET = "clora.source.offset"
 MAX_REASON_CHARS = 2000
+MAX_ENVELOPE_KEY_BYTES = 1024
 _DEFAULTS = KafkaConfig()
 
 log = logging.getLogger(__name__)
@@ -78,6 +88,57 @@ async def start_producer(bootstrap_servers: str, **options: Any) -> AIOKafkaProd
         await close_quietly(producer.stop())
         raise kafka_error(f"connect to {bootstrap_servers}", exc) from exc
     return producer
+
+
+def kafka_client_options(config: KafkaConfig) -> dict[str, Any]:
+    """Keyword arguments every aiokafka client we build gets: the cluster's security.
+
+    TLS (`SSL`, `SASL_SSL`) gets an `ssl.SSLContext` from aiokafka's
+    `create_ssl_context` (server certificate and host name checked against
+    `ssl_cafile` or the system CAs; `ssl_certfile`/`ssl_keyfile` for mutual TLS).
+    SASL gets the mechanism and the credentials. The result carries the password
+    in clear: hand it to a client, never to a log line.
+
+    Raises:
+        ConfigError: a TLS file cannot be read or is not what it should be.
+    """
+    options: dict[str, Any] = {"security_protocol": config.security_protocol}
+    if config.security_protocol in ("SSL", "SASL_SSL"):
+        try:
+            options["ssl_context"] = create_ssl_context(
+                cafile=config.ssl_cafile,
+                certfile=config.ssl_certfile,
+                keyfile=config.ssl_keyfile,
+                # An encrypted key would make OpenSSL prompt on the terminal of a server.
+                password=_no_key_password,
+            )
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            files = {
+                "ssl_cafile": config.ssl_cafile,
+                "ssl_certfile": config.ssl_certfile,
+                "ssl_keyfile": config.ssl_keyfile,
+            }
+            named = ", ".join(f"{k}={v}" for k, v in files.items() if v is not None)
+            raise ConfigError(
+                f"cannot set up TLS for Kafka ({named or 'system CAs'}): {exc}",
+                param="feedback.kafka.ssl",
+                code="kafka_tls",
+            ) from exc
+    if config.security_protocol.startswith("SASL_"):
+        password = config.sasl_plain_password
+        options["sasl_mechanism"] = config.sasl_mechanism
+        options["sasl_plain_username"] = config.sasl_plain_username
+        options["sasl_plain_password"] = None if password is None else password.get_secret_value()
+    return options
+
+
+def dead_letter_options(config: KafkaConfig) -> dict[str, Any]:
+    """`kafka_client_options` for the dead-letter producer: records up to the dead-letter limit."""
+    return {**kafka_client_options(config), "max_request_size": config.dead_letter_max_bytes}
+
+
+def _no_key_password() -> str:
+    return ""
 
 
 # -- decoding ---------------------------------------------------------------------------
@@ -136,6 +197,60 @@ def _errors_text(exc: ValidationError, most: int = 5) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
+def fit_dead_letter(
+    key: bytes | None,
+    value: bytes | None,
+    reason: str,
+    *,
+    source: tuple[str, int, int],
+    max_bytes: int,
+) -> tuple[bytes | None, bytes | None]:
+    """The key and value to dead-letter a record with, so the record fits `max_bytes`.
+
+    A record that fits with `DEAD_LETTER_HEADROOM` to spare (headers, framing)
+    keeps its own key and bytes. A larger one becomes a UTF-8 JSON envelope
+
+        {"clora_truncated": true, "topic", "partition", "offset", "key", "size",
+         "reason", "value_prefix"}
+
+    where `key` is the original key as text, `size` the original key + value
+    bytes and `value_prefix` the longest prefix of the value (as text,
+    undecodable bytes replaced) that keeps the record within `max_bytes`. Keys
+    are cut to `MAX_ENVELOPE_KEY_BYTES`, in the envelope and as the record key.
+
+    Args:
+        key, value: the original record.
+        reason: why it is dead-lettered (the envelope keeps `MAX_REASON_CHARS`).
+        source: (topic, partition, offset) it was read from.
+        max_bytes: the dead-letter producer's `max_request_size` (>= 65,536,
+            so an envelope with an empty prefix always fits).
+    """
+    size = len(key or b"") + len(value or b"")
+    if size + DEAD_LETTER_HEADROOM <= max_bytes:
+        return key, value
+    short_key = None if key is None else key[:MAX_ENVELOPE_KEY_BYTES]
+    topic, partition, offset = source
+    fields: dict[str, Any] = {
+        "clora_truncated": True,
+        "topic": topic,
+        "partition": partition,
+        "offset": offset,
+        "key": None if short_key is None else short_key.decode("utf-8", errors="replace"),
+        "size": size,
+        "reason": reason[:MAX_REASON_CHARS],
+    }
+    room = max_bytes - DEAD_LETTER_HEADROOM - len(short_key or b"")
+    data = value or b""
+    n = min(len(data), room)
+    while True:
+        fields["value_prefix"] = data[:n].decode("utf-8", errors="replace")
+        body = json.dumps(fields, ensure_ascii=False).encode()
+        if len(body) <= room or n == 0:
+            return short_key, body
+        # JSON escapes and replacement characters make the text longer than its bytes.
+        n = min(n - 1, n * room // len(body))
+
+
 @dataclass(frozen=True)
 class Delivery:
     """Where a produced event landed."""
@@ -159,6 +274,8 @@ class FeedbackProducer(AsyncLifecycle):
             consumers dedupe by `event_id` anyway).
         client_id: Client id shown by the broker.
         linger_ms: How long to wait to fill a batch (0 = send at once).
+        client_options: More aiokafka producer arguments: the cluster's security
+            (`kafka_client_options`); `build_producer` passes the configured ones.
     """
 
     def __init__(
@@ -171,6 +288,7 @@ class FeedbackProducer(AsyncLifecycle):
         enable_idempotence: bool = False,
         client_id: str = "clora-feedback",
         linger_ms: int = 0,
+        client_options: Mapping[str, Any] | None = None,
     ):
         self.bootstrap_servers = bootstrap_servers
         self._topics = {
@@ -182,6 +300,7 @@ class FeedbackProducer(AsyncLifecycle):
             "enable_idempotence": enable_idempotence,
             "client_id": client_id,
             "linger_ms": linger_ms,
+            **(client_options or {}),
         }
         self._producer: Any = None
 
@@ -220,11 +339,12 @@ class FeedbackProducer(AsyncLifecycle):
 
 
 def build_producer(config: KafkaConfig, bootstrap_servers: str, **options: Any) -> FeedbackProducer:
-    """A producer on the configured topics."""
+    """A producer on the configured topics, with the configured security."""
     return FeedbackProducer(
         bootstrap_servers,
         corrections_topic=config.corrections_topic,
         resolutions_topic=config.resolutions_topic,
         rewards_topic=config.rewards_topic,
+        client_options=kafka_client_options(config),
         **options,
     )

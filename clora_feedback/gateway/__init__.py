@@ -13,11 +13,13 @@ Modules, one concern each:
     generation   n engine requests per HTTP request, merged and accumulated
     chat         /v1/chat/completions (templates, tools, SSE)
     completions  /v1/completions
+    responses    /v1/responses, served through the chat handler
     logprobs     OpenAI logprob shapes with token bytes
     capture      trajectory records
     admin        models, adapter load/unload, trajectories, health handlers
     metrics      Prometheus text and the request-counting middleware
     sse          event-stream response with disconnect detection
+    offload      prompt rendering and tokenisation off the event loop
     routes       thin routers
     app          wiring and lifespan
 

@@ -10,7 +10,8 @@
 Every route needs the admin key (`auth.admin_principal`). Failures are
 `CloraError`s, mapped to OpenAI error JSON by `gateway.errors`: 404 for an
 unknown agent or version, 409 for a rollback to the active version or one that
-raced another change, 400 for a bad body.
+raced another change, 400 for a bad body or a version outside 1..2**63-1 (the
+registry's 64-bit integers), naming `version`.
 
 A rollback is the deployer's (`Deployer.activate`, see
 `clora_feedback.engine.deployer` for the one order every move follows): the
@@ -30,12 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Annotated
 
 from fastapi import APIRouter, Depends
+from fastapi import Path as PathParam
 
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.gateway.auth import admin_principal
 from clora_feedback.schemas.admin import (
+    MAX_VERSION,
     AdapterVersionList,
     AdapterVersionObject,
     AgentAdaptersList,
@@ -49,6 +53,8 @@ log = logging.getLogger(__name__)
 
 
 DEFAULT_ROLLBACK_REASON = "rolled back by an operator through the admin API"
+VersionNumber = Annotated[int, PathParam(ge=1, le=MAX_VERSION)]
+"""A version in a path: bounded like `RollbackRequest.version` (400 beyond, naming it)."""
 
 
 def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = None) -> APIRouter:
@@ -86,7 +92,7 @@ def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = No
         )
 
     @router.get("/{agent}/versions/{version}")
-    async def get_version(agent: str, version: int) -> AdapterVersionObject:
+    async def get_version(agent: str, version: VersionNumber) -> AdapterVersionObject:
         def read() -> AdapterVersionObject:
             return AdapterVersionObject.of(
                 registry.get(agent, version), registry.manifest(agent, version)

@@ -22,7 +22,7 @@ from openai.types import Model
 
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.types import BASE_VERSION
-from clora_feedback.errors import InvalidRequestError, PermissionDeniedError
+from clora_feedback.errors import AdapterError, InvalidRequestError, PermissionDeniedError
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import Principal
 from clora_feedback.schemas.openai import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -89,9 +89,15 @@ class AdapterAdminHandler:
     async def load(self, body: LoadLoRAAdapterRequest) -> str:
         """Load (or with `load_inplace`, replace) an adapter; returns vLLM's success text."""
         assert body.lora_name is not None and body.lora_path is not None  # checked by the model
-        await self._agents.load_adapter(
-            body.lora_name, Path(body.lora_path), replace=body.load_inplace
-        )
+        try:
+            await self._agents.load_adapter(
+                body.lora_name, Path(body.lora_path), replace=body.load_inplace
+            )
+        except AdapterError as exc:
+            # Whatever is wrong with the files (missing, malformed, too deep, too big),
+            # it is what `lora_path` names.
+            exc.param = exc.param or "lora_path"
+            raise
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     async def unload(self, body: UnloadLoRAAdapterRequest) -> str:

@@ -39,6 +39,7 @@ from clora_feedback.engine.base import Engine
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.types import BASE_VERSION
 from clora_feedback.errors import InvalidRequestError, NotFoundError
+from clora_feedback.gateway.auth import model_not_found
 from clora_feedback.lora.weights import LoRALimits
 
 log = logging.getLogger(__name__)
@@ -162,11 +163,7 @@ class AgentRegistry:
         if model == self.base_model:
             return Route(model, agent=None, engine_agent=None, adapter_version=BASE_VERSION)
         if self.get(model) is None:
-            raise NotFoundError(
-                f"The model `{model}` does not exist. GET /v1/models lists the agents served here.",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model)  # the same answer as for another key's model
         live = self.version(model)
         if live is None:
             return Route(model, agent=model, engine_agent=None, adapter_version=BASE_VERSION)

@@ -23,13 +23,16 @@ from clora_feedback import __version__
 from clora_feedback.config import Settings
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.deployer import Deployer
+from clora_feedback.gateway.access import install_access_log_redaction
 from clora_feedback.gateway.admin import AdapterAdminHandler, ModelsHandler, TrajectoryHandler
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import KeyAuthenticator
 from clora_feedback.gateway.chat import ChatHandler
 from clora_feedback.gateway.completions import CompletionHandler
 from clora_feedback.gateway.errors import install_error_handlers
+from clora_feedback.gateway.limits import BodyLimitMiddleware
 from clora_feedback.gateway.metrics import HTTPMetricsMiddleware, Metrics
+from clora_feedback.gateway.openapi import install_openapi
 from clora_feedback.gateway.routes import GatewayState, router
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
@@ -58,7 +61,7 @@ def create_app(
     """The gateway app over `engine` and `store` (both started by the app's lifespan).
 
     Args:
-        settings: agents, API keys.
+        settings: agents, API keys, `server.max_body_bytes`.
         engine: the serving engine (not yet started).
         store: the trajectory store (not yet started).
         deployer: makes `engine` serve the registry's active pointers (default: one over
@@ -111,12 +114,19 @@ def create_app(
     app.include_router(router)
     for extra in routers:
         app.include_router(extra)
+    install_openapi(app)
+    install_access_log_redaction(settings)
+    # Added first, so it runs inside the metrics middleware: a refused body is still counted.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.server.max_body_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     return app
 
 
 def _own_deployer(settings: Settings, engine: Engine) -> Deployer:
     """A gateway built without a service: adapters loaded at runtime still become registry
-    versions, in a registry of its own under `settings.data_dir`, closed when it stops."""
-    registry = AdapterRegistry(settings.data_dir / "adapters", settings.registry_db)
+    versions, in a registry of its own under `settings.data_dir` (with a `store_url`: the
+    shared registry and its shared `adapters_dir`), closed when it stops."""
+    # A shared registry names versions under one root every process mounts: adapters_dir.
+    root = settings.adapters_dir if settings.store_url else settings.data_dir / "adapters"
+    registry = AdapterRegistry(root, settings.registry_db_url)
     return Deployer(engine, registry, on_stop=registry.close)

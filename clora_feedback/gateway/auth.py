@@ -5,9 +5,10 @@ sent as `Authorization: Bearer <key>`. With no key configured anywhere the
 gateway is open and every caller acts as admin (the local-development default).
 
 Rules, checked by `Principal`:
-- an agent key may use only its own agents' models (403 otherwise, including
-  the bare base model) and see only their trajectories (404 for others', so the
-  existence of another agent's completion is not revealed);
+- an agent key may use only its own agents' models and see only their
+  trajectories; another agent's model (and the bare base model) answers 404
+  `model_not_found` exactly as an unknown name does, and another agent's
+  trajectory 404 as a missing id, so a key learns nothing about other agents;
 - the admin key may use every model and the management routes (adapter
   load/unload, trajectories of any agent).
 
@@ -42,11 +43,11 @@ class Principal:
         return self.admin or (agent is not None and agent in self.agents)
 
     def check_model(self, model: str, agent: str | None) -> None:
-        """Raise `PermissionDeniedError` unless this caller may use `model` (served as `agent`)."""
+        """Raise `model_not_found(model)` unless this caller may use `model` (served as
+        `agent`): another key's model answers exactly as an unknown one, so no key can
+        learn which agents exist."""
         if not self.can_use_agent(agent):
-            raise PermissionDeniedError(
-                f"this API key may not use model {model!r}", param="model", code="model_not_allowed"
-            )
+            raise model_not_found(model)
 
     def check_admin(self) -> None:
         """Raise `PermissionDeniedError` unless this caller holds the admin key."""
@@ -59,6 +60,15 @@ class Principal:
             raise NotFoundError(
                 f"no completion {completion_id!r}", param="id", code="completion_not_found"
             )
+
+
+def model_not_found(model: str) -> NotFoundError:
+    """The one answer for a model this caller cannot use, whether it exists or not."""
+    return NotFoundError(
+        f"The model `{model}` does not exist. GET /v1/models lists the agents served here.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 OPEN_ACCESS = Principal(admin=True)

@@ -12,10 +12,19 @@ Per request, `ChatHandler`:
    of "json_object" or "json_schema" asks for a `JSONSchemaSpec` instead (the
    reply is one JSON object, as content; stop strings ignored likewise, tools
    not parsed); a reply cut by `max_tokens` is returned as cut, with "length";
+   with `tool_choice` "auto" the spec is an "on_trigger" `ToolCallSpec`: text is
+   free until the model opens a call, which then follows the declared tools'
+   schemas (an engine that cannot compile that serves such calls unconstrained,
+   and refuses `strict` tools with a 400); `parallel_tool_calls: false` allows
+   one call (the prompt says so, the constraint stops after it, the parser keeps
+   the first); rendering and tokenising run off the event loop (`offload`);
 3. checks the context window and submits n sequences (`GenerationRun`);
-4. parses tool calls (`finish_reason` "tool_calls" when there are any);
-5. records the trajectory, then answers: one JSON body, or SSE chunks ending
-   with an optional usage chunk and `[DONE]` (the trajectory is committed first).
+4. parses tool calls (`finish_reason` "tool_calls" when there are any; legacy
+   `functions` requests get `message.function_call` and "function_call");
+5. records the trajectory (the request's `metadata` with it), then answers:
+   one JSON body, or SSE chunks (each choice's finish in a chunk of its own,
+   after its last delta, as OpenAI sends it) ending with an optional usage
+   chunk and `[DONE]` (the trajectory is committed first).
 
 Not here: HTTP routing (see `routes`), the wire models (see `schemas.openai`), the
 prompt format and its grammar (see `clora_feedback.chat_format`).
@@ -39,8 +48,13 @@ from clora_feedback.chat_format.calls import (
     ToolCallStreamParser,
     parse_tool_calls,
 )
-from clora_feedback.chat_format.constraint import call_grammar, completion_suffix, object_grammar
-from clora_feedback.chat_format.json_prefix import JSONPrefix
+from clora_feedback.chat_format.constraint import (
+    Grammar,
+    call_grammar,
+    completion_suffix,
+    object_grammar,
+    triggered_grammar,
+)
 from clora_feedback.chat_format.tools import forced_call, forced_call_prefix, render_messages
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.guided import check_supported
@@ -53,9 +67,11 @@ from clora_feedback.gateway.errors import error_event
 from clora_feedback.gateway.generation import ChoiceState, GenerationRun, plan_sampling
 from clora_feedback.gateway.logprobs import TokenPieces, chat_logprobs
 from clora_feedback.gateway.metrics import Metrics
+from clora_feedback.gateway.offload import off_loop
 from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
 from clora_feedback.schemas.openai import (
     ChatCompletionRequest,
+    ChatTool,
     CloraChoiceExtension,
     CloraResponseExtension,
     include_usage,
@@ -77,15 +93,21 @@ class ChatPrompt:
         parse_tools: tools are offered, so the output is parsed for calls.
         guided: the declarative spec for the engine to compile: the forced call's, or
             the JSON reply's that `response_format` asks for.
-        grammar: the forced call's grammar, to close a call that `max_tokens` cut short
-            (None for a JSON reply: its content is returned as generated).
+        grammar: the calls' grammar (forced, or chosen by the model), to close a call
+            that `max_tokens` cut short (None for a JSON reply: returned as generated).
+        drops_stop: stop strings are ignored (a forced call or a JSON reply: they could
+            cut it); calls the model chooses keep them.
+        parallel: several calls may be returned; false keeps the first one only
+            (`parallel_tool_calls: false`, legacy `functions`).
     """
 
     token_ids: list[int]
     forced_prefix: str
     parse_tools: bool
     guided: GuidedDecoding | None = None
-    grammar: JSONPrefix | None = None
+    grammar: Grammar | None = None
+    drops_stop: bool = False
+    parallel: bool = True
 
 
 @dataclass
@@ -130,7 +152,8 @@ class ChatHandler:
         """Answer one request: a JSON-able dict, or an `SSEResponse` when streaming."""
         route = self._agents.resolve(body.model)
         principal.check_model(body.model, route.agent)
-        prompt = self._prepare(body)
+        # Rendering and tokenising a big prompt takes a while: keep the event loop free.
+        prompt = await off_loop(lambda: self._prepare(body))
         param, max_tokens = body.max_tokens_param
         sampling = plan_sampling(
             prompt_len=len(prompt.token_ids),
@@ -141,9 +164,10 @@ class ChatHandler:
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
-            stop=() if prompt.guided else stop_list(body.stop),
+            stop=() if prompt.drops_stop else stop_list(body.stop),
             logprobs=bool(body.logprobs),
             top_logprobs=body.top_logprobs or 0,
+            controls=body,
         )
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         run = GenerationRun(
@@ -173,7 +197,8 @@ class ChatHandler:
             choice.model_dump() if choice is not None and not isinstance(choice, str) else choice
         )
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        rendered = render_messages(messages, tools, choice_wire)
+        parallel = body.parallel_tool_calls is not False
+        rendered = render_messages(messages, tools, choice_wire, parallel_calls=parallel)
         tokenizer = self._engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
@@ -186,19 +211,39 @@ class ChatHandler:
         parse = bool(tools) and body.effective_tool_choice != "none" and not body.constrains_reply
         forced = forced_call(choice_wire, tools)
         if forced is None:
-            return ChatPrompt(ids, prefix, parse, self._reply_spec(body))
+            if parse and body.tools:
+                return self._chosen_calls(ids, body.tools, parallel)
+            reply = self._reply_spec(body)
+            return ChatPrompt(ids, prefix, parse, reply, drops_stop=reply is not None)
         name, functions = forced
         spec = ToolCallSpec(functions=functions, name=name)
         check_supported(spec, self._engine.capabilities)
         # Compiled here too (cheap, no tokens): a bad schema is a 400 before any engine work.
-        return ChatPrompt(ids, prefix, parse, spec, call_grammar(functions, name))
+        grammar = call_grammar(functions, name)
+        return ChatPrompt(ids, prefix, parse, spec, grammar, drops_stop=True, parallel=parallel)
+
+    def _chosen_calls(self, ids: list[int], tools: list[ChatTool], parallel: bool) -> ChatPrompt:
+        """`tool_choice` "auto": the calls the model opens follow their tools' schemas.
+
+        An engine that cannot constrain calls the model chooses serves them
+        unconstrained, unless a tool is `strict`: that promise it cannot keep is a 400.
+        """
+        functions = {t.function.name: t.function.parameters for t in tools}
+        spec = ToolCallSpec(functions=functions, mode="on_trigger", parallel=parallel)
+        if spec.kind not in self._engine.capabilities.constraints:
+            strict = [t.function.name for t in tools if t.function.strict]
+            if strict:
+                check_supported(spec, self._engine.capabilities)  # raises, naming `tools`
+            return ChatPrompt(ids, "", True, parallel=parallel)
+        grammar = triggered_grammar(functions, parallel=parallel)  # a bad schema: 400 now
+        return ChatPrompt(ids, "", True, spec, grammar, parallel=parallel)
 
     def _reply_spec(self, body: ChatCompletionRequest) -> JSONSchemaSpec | None:
-        """The JSON reply `response_format` asks for, checked against the engine; None for text."""
-        fmt = body.response_format
-        if fmt is None or not fmt.constrains:
+        """The JSON reply `response_format` (or `guided_json`) asks for, checked against the
+        engine; None for text."""
+        if not body.constrains_reply:
             return None
-        spec = JSONSchemaSpec(fmt.reply_schema)
+        spec = JSONSchemaSpec(body.reply_schema)
         check_supported(spec, self._engine.capabilities)
         object_grammar(spec.schema)  # a bad schema is a 400 before any engine work
         return spec
@@ -209,12 +254,12 @@ class ChatHandler:
         reason = choice.finish_reason or "stop"
         if not prompt.parse_tools:
             return ChoiceResult(choice.text, None, reason)
-        text = choice.text
-        if prompt.forced_prefix:
-            text = prompt.forced_prefix + text + closing_suffix(prompt, choice)
+        text = prompt.forced_prefix + choice.text + closing_suffix(prompt, choice)
         content, calls = parse_tool_calls(text)
         if not calls:
             return ChoiceResult(content or "", None, reason)
+        if not prompt.parallel:
+            calls = calls[:1]  # engines that cannot stop after one call: the first one counts
         return ChoiceResult(
             content, [_tool_call_json(c.id, c.name, c.arguments) for c in calls], "tool_calls"
         )
@@ -280,7 +325,11 @@ class ChatHandler:
                 "content": result.content,
                 "refusal": None,
             }
-            if result.tool_calls:
+            finish_reason = result.finish_reason
+            if result.tool_calls and body.legacy_functions:
+                message["function_call"] = result.tool_calls[0]["function"]
+                finish_reason = "function_call"
+            elif result.tool_calls:
                 message["tool_calls"] = result.tool_calls
             logprobs = None
             if body.logprobs:
@@ -296,7 +345,7 @@ class ChatHandler:
                     "index": state.index,
                     "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": result.finish_reason,
+                    "finish_reason": finish_reason,
                     "clora": CloraChoiceExtension(
                         token_ids=state.token_ids, token_versions=state.versions
                     ).model_dump(),
@@ -346,10 +395,15 @@ class ChatHandler:
         completion_id: str,
     ) -> AsyncIterator[str]:
         try:
+            # With tools the reply may turn out to be calls only, whose content is null:
+            # content then starts with its first delta (OpenAI's first chunk is the same).
+            opening: dict[str, Any] = {"role": "assistant"}
+            if not prompt.parse_tools:
+                opening["content"] = ""
             first = [
                 {
                     "index": c.index,
-                    "delta": {"role": "assistant", "content": ""},
+                    "delta": dict(opening),
                     "logprobs": None,
                     "finish_reason": None,
                 }
@@ -402,7 +456,13 @@ class _ChoiceStreamer:
                 self._parsers[choice.index] = parser
 
     def deltas(self, choice: ChoiceState, out: RequestOutput) -> list[dict[str, Any]]:
-        """Chunk choices for one engine chunk of `choice` (the final one carries finish_reason)."""
+        """Chunk choices for one engine chunk of `choice`.
+
+        The finish comes in a chunk of its own with an empty delta, after the last
+        content or tool-call delta, as OpenAI sends it: the SDK's stream helpers
+        close a tool call's arguments (`tool_calls.function.arguments.done`) only
+        when a later chunk finishes the choice.
+        """
         delta: dict[str, Any] = {}
         parser = self._parsers.get(choice.index)
         if parser is None:
@@ -415,12 +475,29 @@ class _ChoiceStreamer:
                 tail = closing_suffix(self._prompt, choice)
                 events += (parser.feed(tail) if tail else []) + parser.finish()
             self._apply_events(choice.index, events, delta)
+        entries: list[dict[str, Any]] = []
+        if delta or out.tokens:
+            entries.append(self._entry(choice, out, delta))
+        if out.finished:
+            finish = {
+                "index": choice.index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": self._finish_reason(choice),
+                "clora": CloraChoiceExtension(token_ids=[], token_versions=[]).model_dump(),
+            }
+            entries.append(finish)
+        return entries
+
+    def _entry(
+        self, choice: ChoiceState, out: RequestOutput, delta: dict[str, Any]
+    ) -> dict[str, Any]:
         start = len(choice.token_ids) - len(out.tokens)
         entry: dict[str, Any] = {
             "index": choice.index,
             "delta": delta,
             "logprobs": None,
-            "finish_reason": self.result(choice).finish_reason if out.finished else None,
+            "finish_reason": None,
             "clora": CloraChoiceExtension(
                 token_ids=choice.token_ids[start:], token_versions=choice.versions[start:]
             ).model_dump(),
@@ -433,9 +510,12 @@ class _ChoiceStreamer:
                 choice.top_logprobs[start:],
                 self._body.top_logprobs or 0,
             ).model_dump()
-        if not delta and not out.tokens and not out.finished:
-            return []
-        return [entry]
+        return entry
+
+    def _finish_reason(self, choice: ChoiceState) -> str:
+        reason = self.result(choice).finish_reason
+        legacy = reason == "tool_calls" and self._body.legacy_functions
+        return "function_call" if legacy else reason
 
     def result(self, choice: ChoiceState) -> ChoiceResult:
         """What the client received for `choice` (valid once it finished)."""
@@ -455,7 +535,12 @@ class _ChoiceStreamer:
             for e in events
             if isinstance(e, ToolCallEvent)
         ]
-        if calls:
-            first = len(self._calls[index])
+        first = len(self._calls[index])
+        if not self._prompt.parallel:
+            calls = calls[: max(0, 1 - first)]  # as `_finish_choice`: the first call counts
+        if calls and self._body.legacy_functions:
+            self._calls[index].extend(calls)
+            delta["function_call"] = calls[0]["function"]
+        elif calls:
             self._calls[index].extend(calls)
             delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]

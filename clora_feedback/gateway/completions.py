@@ -29,6 +29,7 @@ from clora_feedback.gateway.errors import error_event
 from clora_feedback.gateway.generation import ChoiceState, GenerationRun, plan_sampling
 from clora_feedback.gateway.logprobs import TokenPieces, completion_logprobs
 from clora_feedback.gateway.metrics import Metrics
+from clora_feedback.gateway.offload import off_loop
 from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
 from clora_feedback.schemas.openai import (
     CloraChoiceExtension,
@@ -60,7 +61,8 @@ class CompletionHandler:
         principal.check_model(body.model, route.agent)
         text = body.prompt_text
         if text is not None:
-            prompt_ids = list(self._engine.tokenizer.encode(text))
+            encode = self._engine.tokenizer.encode  # a big prompt: off the event loop
+            prompt_ids = list(await off_loop(lambda: encode(text)))
         else:
             prompt_ids = body.prompt_token_ids
         sampling = plan_sampling(
@@ -75,6 +77,7 @@ class CompletionHandler:
             stop=stop_list(body.stop),
             logprobs=body.logprobs is not None,
             top_logprobs=body.logprobs or 0,
+            controls=body,
         )
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         run = GenerationRun(

@@ -11,7 +11,8 @@ Sources, each translated once here:
 - FastAPI's `RequestValidationError` (a body that fails the pydantic models,
   including a body that is not JSON): 400, with `param` rebuilt from the
   error location (`messages[0].content`), never from message text.
-- Starlette's `HTTPException` (unknown URL, wrong method): OpenAI's 404/405 shape.
+- Starlette's `HTTPException` (unknown URL, wrong method, a body cut off at the size
+  limit): OpenAI's 404/405/413 shape.
 - Anything else: 500 with a generic message; the traceback goes to the log.
 
 Errors that happen after a stream has started cannot change the status code;
@@ -31,10 +32,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clora_feedback.errors import CloraError, InvalidRequestError, NotFoundError
+from clora_feedback.errors import (
+    CloraError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
 from clora_feedback.schemas.paths import json_path
 
 log = logging.getLogger(__name__)
+
+TOO_LARGE_CODE = "request_too_large"
+"""The `code` of every 413 (a body over `server.max_body_bytes`)."""
 
 _JSON_HINT = (
     "We could not parse the JSON body of your request. The API expects a JSON object; "
@@ -127,6 +136,8 @@ def http_error(request: Request, exc: StarletteHTTPException) -> CloraError:
         return NotFoundError(f"Unknown request URL: {where}.", code="unknown_url")
     if exc.status_code == 405:
         return _RoutingError(f"Method not allowed: {where}.", status=405, code="method_not_allowed")
+    if exc.status_code == 413:  # a body cut off while it was read (`gateway.limits`)
+        return PayloadTooLargeError(str(exc.detail), code=TOO_LARGE_CODE)
     return _RoutingError(str(exc.detail), status=exc.status_code)
 
 

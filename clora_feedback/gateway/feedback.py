@@ -5,16 +5,29 @@ It is checked in this order, each failure an OpenAI-style error naming what is w
 
     API key (gateway auth)       401 missing/unknown key (before the body is read)
     size  > max_body_bytes       413 payload_too_large
-    signature (if a secret)      401 missing_signature / invalid_signature
+    signature (if a secret)      401 missing_signature / invalid_signature / signature_expired
     UTF-8, then JSON             400 invalid_utf8 / invalid_json
     schema                       400 invalid_event, `param` = the field, e.g. "[0].outcome"
     agent of each event          403 agent_not_allowed: an agent key judges only its agents
     owner of each completion     403 completion_not_allowed: ... and only their completions
+    parked events of an agent    429 parked_limit (+ Retry-After): the batch would park more
+                                 than `feedback.max_parked_per_agent`; nothing was applied
 
-The signature is HMAC-SHA256 of the raw body under `feedback.webhook_secret`,
-sent as `X-Clora-Signature: sha256=<hex>` and compared in constant time; with
-no secret configured the header is ignored. Permission checks are all-or-nothing:
-a batch with one forbidden event is refused whole, so nothing is half-applied.
+The signature covers a timestamp and the raw body, as Stripe signs webhooks:
+`X-Clora-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<raw body>">`
+under `feedback.webhook_secret` (several `v1=` entries are allowed, one per
+secret, while a sender rotates secrets). Every entry is compared in constant
+time; an authentic signature whose `t` is more than
+`feedback.signature_tolerance_s` from the server's clock is refused as
+`signature_expired`, so a captured request cannot be replayed later. The old
+body-only form (`sha256=<hex>`) is refused with a message naming the new one:
+it was replayable forever. With no secret configured the header is ignored.
+Permission checks are all-or-nothing: a batch with one forbidden event is
+refused whole, so nothing is half-applied.
+
+Event ids are idempotency keys per agent (the event's `agent`, which the key
+must be allowed to judge and which must own every completion it joins): the
+same id from another agent is a different event, never a duplicate.
 
 Delivery, once the batch is valid:
 
@@ -67,6 +80,7 @@ from clora_feedback.feedback.store import ApplyReport, Incoming
 from clora_feedback.gateway.auth import Principal, current_principal
 from clora_feedback.gateway.errors import error_payload
 from clora_feedback.schemas.feedback import (
+    DEFAULT_TOLERANCE_S,
     SIGNATURE_HEADER,
     Event,
     FeedbackReceipt,
@@ -102,6 +116,7 @@ class FeedbackHandler:
         webhook_secret: HMAC key; None = bodies are not signed.
         max_body_bytes: largest body accepted.
         sink: the Kafka producer, or None to apply to `store` directly.
+        signature_tolerance_s: largest age (or clock skew) of a signature's `t`.
     """
 
     def __init__(
@@ -111,9 +126,11 @@ class FeedbackHandler:
         webhook_secret: str | None,
         max_body_bytes: int,
         sink: FeedbackSink | None = None,
+        signature_tolerance_s: float = DEFAULT_TOLERANCE_S,
     ) -> None:
         self._ingest = ingest
         self._secret = webhook_secret
+        self._tolerance_s = signature_tolerance_s
         self._max_body_bytes = max_body_bytes
         self._sink = sink
 
@@ -161,10 +178,11 @@ class FeedbackHandler:
         """Check `X-Clora-Signature` when a secret is configured (constant-time compare).
 
         Raises:
-            AuthenticationError: the header is missing, malformed or does not match.
+            AuthenticationError: the header is missing, malformed, in the old body-only
+                form or does not match (401), or its timestamp is outside the tolerance.
         """
         if self._secret is not None:
-            verify_signature(body, self._secret, header)
+            verify_signature(body, self._secret, header, tolerance_s=self._tolerance_s)
 
     def parse(self, body: bytes) -> tuple[list[Event], bool]:
         """Decode and validate the events of a body: (events, whether it was a list).
@@ -245,7 +263,10 @@ class FeedbackHandler:
         return JSONResponse(receipt.model_dump(mode="json"), status_code=202)
 
     async def _apply(self, events: Sequence[Event]) -> JSONResponse:
-        report: ApplyReport = await self._ingest.apply([Incoming(e, "webhook") for e in events])
+        # Over the parked cap the whole batch is refused (429): the sender retries it as is.
+        report: ApplyReport = await self._ingest.apply(
+            [Incoming(e, "webhook") for e in events], refuse_over_limit=True
+        )
         receipt = FeedbackReceipt(
             delivery="store",
             accepted=len(events) - len(report.rejected),
@@ -287,7 +308,8 @@ def build_feedback_router(
     Args:
         ingest: the feedback ingest (over the gateway's trajectory database); its
             owner starts it, which runs the rejoin loop for parked events.
-        settings: `feedback.webhook_secret` and `feedback.max_body_bytes` are read.
+        settings: `feedback.webhook_secret`, `feedback.signature_tolerance_s` and
+            `feedback.max_body_bytes` are read.
         sink: the Kafka producer when a bootstrap is configured, else None.
     """
     handler = FeedbackHandler(
@@ -295,6 +317,7 @@ def build_feedback_router(
         webhook_secret=settings.feedback.webhook_secret,
         max_body_bytes=settings.feedback.max_body_bytes,
         sink=sink,
+        signature_tolerance_s=settings.feedback.signature_tolerance_s,
     )
     router = APIRouter()
 

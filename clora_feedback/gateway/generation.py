@@ -1,6 +1,7 @@
 """Engine work for one HTTP request: n sequences submitted together, merged, accumulated.
 
-`GenerationRun` submits one `GenerationRequest` per choice (seeds `seed + i`),
+`GenerationRun` submits one `GenerationRequest` per choice (choice i is seeded
+`(seed + i) mod 2**64`, see `engine.types.choice_seed`),
 merges their streams into one async sequence of `(choice, chunk)` events and
 accumulates per-choice token ids, behaviour logprobs and adapter versions. It
 owns every engine request it started: leaving `events()` early for any reason
@@ -8,7 +9,9 @@ owns every engine request it started: leaving `events()` early for any reason
 are freed before the next decode step.
 
 `plan_sampling` turns the OpenAI parameters shared by both endpoints into
-`SamplingParams`, including the context-window check.
+`SamplingParams`, including the context-window check and the sampling controls
+(penalties, `logit_bias`, vLLM's `top_k`/`min_tokens`/`ignore_eos`) of any
+request that has them (`SamplingControls`).
 
 Not here: chat templates and tools (see `chat`), response shapes (see
 `chat`/`completions`), persistence (see `capture`).
@@ -19,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from clora_feedback.engine.base import Engine, RequestStream
 from clora_feedback.engine.types import (
@@ -28,8 +32,10 @@ from clora_feedback.engine.types import (
     GuidedDecoding,
     RequestOutput,
     SamplingParams,
+    choice_seed,
 )
-from clora_feedback.errors import ContextLengthError, EngineError
+from clora_feedback.errors import ContextLengthError, EngineError, InvalidRequestError
+from clora_feedback.schemas.openai import logit_bias_pairs
 
 
 @dataclass
@@ -77,6 +83,29 @@ class ChoiceState:
             self.finish_reason = out.finish_reason
 
 
+class SamplingControls(Protocol):
+    """The sampling controls of a request beyond temperature/top_p (both OpenAI request
+    models have them); None means the default (off)."""
+
+    @property
+    def frequency_penalty(self) -> float | None: ...
+
+    @property
+    def presence_penalty(self) -> float | None: ...
+
+    @property
+    def logit_bias(self) -> dict[str, float] | None: ...
+
+    @property
+    def top_k(self) -> int | None: ...
+
+    @property
+    def min_tokens(self) -> int | None: ...
+
+    @property
+    def ignore_eos(self) -> bool | None: ...
+
+
 def plan_sampling(
     *,
     prompt_len: int,
@@ -90,14 +119,16 @@ def plan_sampling(
     stop: tuple[str, ...],
     logprobs: bool,
     top_logprobs: int,
+    controls: SamplingControls | None = None,
 ) -> SamplingParams:
-    """Sampling parameters for one choice (the caller offsets `seed` per choice).
+    """Sampling parameters for one choice (`seeded` derives each choice's seed).
 
     An absent `max_tokens` means "the rest of the context window".
 
     Raises:
         ContextLengthError: the prompt leaves no room (param `prompt_param`), or
             prompt + `max_tokens` exceed `max_model_len` (param `max_tokens_param`).
+        InvalidRequestError: `min_tokens` exceeds the completion budget.
     """
     room = max_model_len - prompt_len
     if room < 1:
@@ -114,8 +145,9 @@ def plan_sampling(
             f"the completion). Please reduce the length of the {prompt_param} or {max_tokens_param}.",
             param=max_tokens_param,
         )
-    return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else room,
+    budget = max_tokens if max_tokens is not None else room
+    params = SamplingParams(
+        max_tokens=budget,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         seed=seed,
@@ -123,23 +155,35 @@ def plan_sampling(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
+    return params if controls is None else _with_controls(params, controls, max_tokens_param)
+
+
+def _with_controls(
+    params: SamplingParams, controls: SamplingControls, max_tokens_param: str
+) -> SamplingParams:
+    min_tokens = controls.min_tokens or 0
+    if min_tokens > params.max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({min_tokens}) must not exceed {max_tokens_param} ({params.max_tokens})",
+            param="min_tokens",
+        )
+    return replace(
+        params,
+        ignore_eos=bool(controls.ignore_eos),
+        top_k=max(controls.top_k or 0, 0),  # vLLM's -1 means off, like 0
+        min_tokens=min_tokens,
+        presence_penalty=controls.presence_penalty or 0.0,
+        frequency_penalty=controls.frequency_penalty or 0.0,
+        logit_bias=logit_bias_pairs(controls.logit_bias),
+    )
 
 
 def seeded(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index`'s parameters: seed + index, so n seeded choices differ yet repeat."""
+    """Choice `index`'s parameters: seed `(seed + index) mod 2**64` (`choice_seed`), so n
+    seeded choices differ yet repeat and no request seed overflows the engine's range."""
     if sampling.seed is None:
         return sampling
-    return SamplingParams(
-        max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed + index,
-        stop=sampling.stop,
-        stop_token_ids=sampling.stop_token_ids,
-        logprobs=sampling.logprobs,
-        top_logprobs=sampling.top_logprobs,
-        ignore_eos=sampling.ignore_eos,
-    )
+    return replace(sampling, seed=choice_seed(sampling.seed, index))
 
 
 class GenerationRun:

@@ -7,6 +7,11 @@ byte-level BPE pieces (GPT-2 / SmolLM2 / Qwen / the tiny test tokenizer) map
 back through the byte-to-unicode table, SentencePiece byte-fallback pieces
 (`<0x0A>`) are single bytes, and anything else is its decoded text.
 
+A chat reply's `logprobs.content` lists exactly the tokens its `content` is made
+of: special tokens (the end-of-turn `<|im_end|>`, which the detokeniser leaves
+out of the text) are skipped there, while the `clora` extension's token ids keep
+every generated token, as training needs.
+
 Not here: computing logprobs (the engine does; they are log-softmax of the raw
 logits, before temperature and top-p).
 """
@@ -61,6 +66,10 @@ class TokenPieces:
         self._byte_table = _byte_level_table() if _uses_byte_level(tokenizer) else None
         self._cache: dict[int, tuple[str, bytes]] = {}
 
+    def is_special(self, token_id: int) -> bool:
+        """A special token: it has no text in the content (the detokeniser skips it)."""
+        return token_id in self._special
+
     def get(self, token_id: int) -> tuple[str, bytes]:
         """(text, raw bytes) of one token; text has U+FFFD where a character is split."""
         cached = self._cache.get(token_id)
@@ -93,9 +102,14 @@ def chat_logprobs(
     top: Sequence[tuple[tuple[int, float], ...]],
     top_n: int,
 ) -> ChoiceLogprobs:
-    """`choices[i].logprobs` of a chat completion (or of one streamed delta)."""
+    """`choices[i].logprobs` of a chat completion (or of one streamed delta).
+
+    Special tokens are left out, so the entries' texts join to the content.
+    """
     content: list[dict[str, Any]] = []
     for token_id, logprob, alternatives in zip(token_ids, logprobs, top, strict=True):
+        if pieces.is_special(token_id):
+            continue
         text, raw = pieces.get(token_id)
         content.append(
             {

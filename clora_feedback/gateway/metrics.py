@@ -10,6 +10,8 @@ Counters are kept in process memory and rendered on `GET /metrics`:
     clora_engine_max_num_seqs / clora_engine_max_waiting   capacity (gauges)
     clora_engine_steps_total / clora_engine_generated_tokens_total   engine counters
     clora_engine_adapter_version{agent}                live adapter version per agent
+    clora_engine_prefix_cache_{hits,misses,evictions}_total   prefix-cache blocks (when on)
+    clora_engine_prefix_cache_bytes / _capacity_bytes  its memory and bound (gauges)
 
 `HTTPMetricsMiddleware` is a plain ASGI middleware (not Starlette's
 `BaseHTTPMiddleware`, which buffers streams and hides client disconnects) that
@@ -158,6 +160,34 @@ class Metrics:
             ("agent",),
             dict(stats.adapters),
         )
+        cache = stats.prefix_cache
+        if cache is not None:
+            for what, value, text in (
+                ("hits", cache.hits, "reused instead of prefilled"),
+                ("misses", cache.misses, "looked up, not found, prefilled"),
+                ("evictions", cache.evictions, "evicted to stay within the bound"),
+            ):
+                family(
+                    f"clora_engine_prefix_cache_{what}_total",
+                    "counter",
+                    f"Prefix-cache blocks of {cache.block_tokens} tokens {text}.",
+                    (),
+                    {"": value},
+                )
+            family(
+                "clora_engine_prefix_cache_bytes",
+                "gauge",
+                "Prefix-cache memory held.",
+                (),
+                {"": cache.bytes},
+            )
+            family(
+                "clora_engine_prefix_cache_capacity_bytes",
+                "gauge",
+                "Prefix-cache memory bound.",
+                (),
+                {"": cache.capacity_bytes},
+            )
         for source in self._sources:
             for fam in source():
                 family(fam.name, fam.kind, fam.help, fam.labels, fam.rows)

@@ -5,13 +5,16 @@ errors propagate as `CloraError` and are mapped in `errors`. Routes:
 
     POST /v1/chat/completions        ChatHandler
     POST /v1/completions             CompletionHandler
+    POST /v1/responses               ResponsesHandler (over ChatHandler)
+    GET  /v1/responses/{id}          ResponsesHandler (scoped by key)
     GET  /v1/models                  ModelsHandler
+    GET  /v1/models/{id}             ModelsHandler (one entry of the list)
     POST /v1/load_lora_adapter       AdapterAdminHandler (admin)
     POST /v1/unload_lora_adapter     AdapterAdminHandler (admin)
     GET  /v1/trajectories            TrajectoryHandler (scoped by key)
     GET  /v1/trajectories/{id}       TrajectoryHandler (scoped by key)
     GET  /health                     engine statistics (no key needed)
-    GET  /metrics                    Prometheus text (no key needed)
+    GET  /metrics                    Prometheus text (admin key, when keys are configured)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from clora_feedback.engine.base import Engine
+from clora_feedback.errors import NotFoundError
 from clora_feedback.gateway.admin import (
     AdapterAdminHandler,
     ModelsHandler,
@@ -40,6 +44,7 @@ from clora_feedback.gateway.auth import (
 from clora_feedback.gateway.chat import ChatHandler
 from clora_feedback.gateway.completions import CompletionHandler
 from clora_feedback.gateway.metrics import Metrics
+from clora_feedback.gateway.responses import ResponsesHandler
 from clora_feedback.gateway.sse import ClientDisconnected
 from clora_feedback.schemas.openai import (
     ChatCompletionRequest,
@@ -47,6 +52,7 @@ from clora_feedback.schemas.openai import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from clora_feedback.schemas.responses import ResponsesRequest
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
 CLIENT_CLOSED_REQUEST = 499
@@ -103,9 +109,39 @@ async def create_completion(
     return await _answer(_state(request).completions.create(body, principal, request))
 
 
+def _responses(request: Request) -> ResponsesHandler:
+    # Built per request: it holds nothing but the chat handler and store it serves through.
+    state = _state(request)
+    return ResponsesHandler(state.chat, state.agents, state.store)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, principal: AnyKey) -> Response:
+    return await _answer(_responses(request).create(body, principal, request))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request, principal: AnyKey) -> JSONResponse:
+    return JSONResponse(await _responses(request).get(response_id, principal))
+
+
 @router.get("/v1/models")
 async def list_models(request: Request, principal: AnyKey) -> JSONResponse:
     return JSONResponse(_state(request).models.list(principal))
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request, principal: AnyKey) -> JSONResponse:
+    """One entry of `GET /v1/models`: what this key may not see is as unknown (404)."""
+    listed = _state(request).models.list(principal)["data"]
+    found = next((m for m in listed if m["id"] == model_id), None)
+    if found is None:
+        raise NotFoundError(
+            f"The model `{model_id}` does not exist. GET /v1/models lists the models served here.",
+            param="model",
+            code="model_not_found",
+        )
+    return JSONResponse(found)
 
 
 @router.post("/v1/load_lora_adapter")
@@ -146,7 +182,8 @@ async def get_health(request: Request) -> JSONResponse:
 
 
 @router.get("/metrics")
-async def get_metrics(request: Request) -> PlainTextResponse:
+async def get_metrics(request: Request, principal: AdminKey) -> PlainTextResponse:
+    """Admin key when keys are configured: the labels name every agent."""
     state = _state(request)
     text = state.metrics.render(state.engine.stats())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

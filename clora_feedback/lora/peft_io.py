@@ -32,6 +32,25 @@ _PEFT_KEY = re.compile(
 # Options this engine does not implement: refusing them beats serving something different.
 _UNSUPPORTED_TRUE = ("use_dora", "fan_in_fan_out")
 _MUST_BE_EMPTY = ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
+# A PEFT config is a few hundred bytes, nested three deep: bounding both before parsing
+# keeps a hostile file from costing memory or a RecursionError in the JSON decoder.
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_CONFIG_DEPTH = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _check_config_shape(text: str, config_path: Path) -> None:
+    """Refuse a config over `MAX_CONFIG_BYTES` or nested deeper than `MAX_CONFIG_DEPTH`."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{config_path} is larger than {MAX_CONFIG_BYTES} bytes")
+    depth = 0
+    for char in _JSON_STRING.sub("", text):  # brackets inside strings do not nest
+        if char in "[{":
+            depth += 1
+            if depth > MAX_CONFIG_DEPTH:
+                raise AdapterError(f"{config_path} is nested deeper than {MAX_CONFIG_DEPTH} levels")
+        elif char in "]}":
+            depth -= 1
 
 
 def read_adapter_config(path: Path) -> dict[str, Any]:
@@ -42,7 +61,11 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     if not config_path.is_file():
         raise AdapterError(f"{config_path} is missing: not a PEFT adapter directory")
     try:
-        config = json.loads(config_path.read_text())
+        if config_path.stat().st_size > MAX_CONFIG_BYTES:
+            raise AdapterError(f"{config_path} is larger than {MAX_CONFIG_BYTES} bytes")
+        text = config_path.read_text()
+        _check_config_shape(text, config_path)
+        config = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterError(f"{config_path} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):

@@ -20,6 +20,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_VERSION = 2**63 - 1
+"""Largest version number: SQLite's INTEGER is 64-bit, so a larger one is a 400, never
+an overflow deep in the store."""
+
 VersionStatus = Literal["active", "superseded", "rolled_back", "staged", "inactive"]
 """A version's status (see `clora_feedback.store.versions`)."""
 Activation = Literal["publish", "rollback"]
@@ -31,7 +35,9 @@ class RollbackRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    version: int = Field(..., ge=1, description="The version to serve and train from again.")
+    version: int = Field(
+        ..., ge=1, le=MAX_VERSION, description="The version to serve and train from again."
+    )
     reason: str | None = Field(
         None, max_length=2000, description="Recorded on every version the rollback marks."
     )

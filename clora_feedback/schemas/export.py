@@ -104,8 +104,11 @@ def topics() -> dict[str, Any]:
             {"name": kafka.rewards_topic, "key": key, "value": "schemas/reward.schema.json"},
             {
                 "name": kafka.dead_letter_topic,
-                "key": "the original record's key",
-                "value": "the original record's bytes, unchanged",
+                "key": "the original record's key (cut to 1024 bytes in an envelope)",
+                "value": "the original record's bytes, unchanged; a record that would not fit "
+                "`dead_letter_max_bytes` whole is sent as a UTF-8 JSON envelope instead: "
+                '{"clora_truncated": true, "topic", "partition", "offset", "key", "size", '
+                '"reason", "value_prefix"}',
                 "headers": {
                     "clora.reason": "why the record was refused (UTF-8 text)",
                     "clora.source.topic": "original topic",
@@ -115,6 +118,11 @@ def topics() -> dict[str, Any]:
             },
         ],
         "delivery": "at-least-once; consumers apply each event_id once, offsets committed after the durable write",
+        "limits": {
+            "max_record_bytes": kafka.max_record_bytes,
+            "dead_letter_max_bytes": kafka.dead_letter_max_bytes,
+            "over_max_record_bytes": "dead-lettered unparsed, reason `too_large: ...`",
+        },
         "value_encoding": "UTF-8 JSON, one event per record; any topic accepts any kind (routing is by `kind`)",
     }
 

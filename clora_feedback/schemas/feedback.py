@@ -1,7 +1,8 @@
 """Feedback events: what developers, operators and other systems say about completions.
 
 Three kinds, one envelope. Every event carries an `event_id` (the idempotency
-key: an event delivered twice is applied once), the `agent` it judges, what it
+key within its agent: an event delivered twice is applied once, and another
+agent's event with the same id is its own), the `agent` it judges, what it
 refers to (one completion, several, or a conversation), where it came from
 and when it happened:
 
@@ -16,8 +17,9 @@ Beside the events, this module holds the rest of the feedback wire contract,
 imported by both the webhook (`clora_feedback.gateway.feedback`) and the SDK
 (`clora_feedback.client`) so sender and receiver cannot drift: the one union
 alias `Event`, the receipt `POST /v1/feedback` answers with (`FeedbackReceipt`,
-`RejectedEvent`), the body signature (`SIGNATURE_HEADER`, `sign_body`,
-`verify_signature`) and the translation of a validation failure into one
+`RejectedEvent`), the request signature (`SIGNATURE_HEADER`, `sign_body`,
+`verify_signature`: `t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`, as
+Stripe signs webhooks, so a captured request cannot be replayed later) and the translation of a validation failure into one
 `InvalidRequestError` naming the field (`event_validation_error`).
 
 These models are the contract: `python -m clora_feedback.schemas.export`
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Literal
@@ -57,7 +61,8 @@ class _Event(BaseModel):
         ...,
         min_length=1,
         max_length=200,
-        description="Idempotency key: the same id is applied once.",
+        description="Idempotency key within `agent`: the same agent's same id is applied once "
+        "(another agent's event with this id is a different event).",
     )
     agent: AgentName = Field(
         ..., description="The agent (the `model` name at the gateway) being judged."
@@ -255,29 +260,95 @@ class FeedbackReceipt(BaseModel):
 # -- the body signature ----------------------------------------------------------------------
 
 SIGNATURE_HEADER = "X-Clora-Signature"
+SIGNATURE_SCHEME = "v1"
+DEFAULT_TOLERANCE_S = 300.0
+_MAX_SIGNATURES = 8  # v1= entries looked at: a rotation needs two; more is noise or abuse
+_TIMESTAMP = re.compile(r"^[0-9]{1,12}$")
+_FORMAT = "t=<unix seconds>,v1=<hex HMAC-SHA256 of '<t>.<raw body>'>"
 
 
-def sign_body(body: bytes, secret: str) -> str:
-    """The `X-Clora-Signature` value for `body`: `sha256=` + hex HMAC-SHA256 under `secret`."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+def _digest(body: bytes, secret: str, timestamp: int) -> str:
+    return hmac.new(secret.encode(), b"%d." % timestamp + body, hashlib.sha256).hexdigest()
 
 
-def verify_signature(body: bytes, secret: str, header: str | None) -> None:
-    """Check a `X-Clora-Signature` header against `body` (constant-time compare).
+def sign_body(body: bytes, secret: str | Sequence[str], *, timestamp: int | None = None) -> str:
+    """The `X-Clora-Signature` value for `body`: `t=<unix seconds>,v1=<hex>[,v1=<hex>...]`.
+
+    Each `v1` is the hex HMAC-SHA256 of `"<t>." + body` under one secret; give several
+    secrets while rotating (the receiver accepts any entry its own secret matches).
+
+    Args:
+        body: the raw request body, exactly as sent.
+        secret: the webhook secret, or several during a rotation.
+        timestamp: the signing time in unix seconds (default: now).
+    """
+    t = int(time.time()) if timestamp is None else int(timestamp)
+    secrets = [secret] if isinstance(secret, str) else list(secret)
+    return ",".join([f"t={t}", *(f"{SIGNATURE_SCHEME}={_digest(body, s, t)}" for s in secrets)])
+
+
+def _parse_signature(header: str) -> tuple[int, list[bytes]]:
+    """(t, the v1 values) of a header; raises `AuthenticationError` when it is not that format."""
+    text = header.strip()
+    if text.lower().startswith("sha256="):
+        raise AuthenticationError(
+            f"{SIGNATURE_HEADER}: the body-only format sha256=<hex> is no longer accepted (it "
+            f"could be replayed); sign a timestamp with the body: {_FORMAT}",
+            code="invalid_signature",
+        )
+    timestamps: list[str] = []
+    signatures: list[bytes] = []
+    for part in text.split(","):
+        key, _, value = part.strip().partition("=")
+        if key == "t":
+            timestamps.append(value.strip())
+        elif key == SIGNATURE_SCHEME and len(signatures) < _MAX_SIGNATURES:
+            # Header values are latin-1 on the wire; encode so any byte compares, never raises.
+            signatures.append(value.strip().lower().encode("latin-1", errors="replace"))
+    if len(timestamps) != 1 or not _TIMESTAMP.match(timestamps[0]) or not signatures:
+        raise AuthenticationError(
+            f"{SIGNATURE_HEADER} is malformed: expected {_FORMAT}", code="invalid_signature"
+        )
+    return int(timestamps[0]), signatures
+
+
+def verify_signature(
+    body: bytes,
+    secret: str,
+    header: str | None,
+    *,
+    tolerance_s: float = DEFAULT_TOLERANCE_S,
+    now: float | None = None,
+) -> None:
+    """Check a `X-Clora-Signature` header against `body` and the clock (constant-time compare).
+
+    The timestamp is checked only once some `v1` entry matches, so `signature_expired`
+    is said of authentic signatures only; a changed `t` breaks the HMAC instead.
 
     Raises:
-        AuthenticationError: the header is missing, malformed or does not match.
+        AuthenticationError: the header is missing (`missing_signature`), malformed,
+            in the old body-only format or matches no entry (`invalid_signature`), or
+            its `t` is more than `tolerance_s` from now (`signature_expired`).
     """
     if not header:
         raise AuthenticationError(
-            f"this webhook requires a {SIGNATURE_HEADER} header: "
-            "sha256=<hex HMAC-SHA256 of the body>",
+            f"this webhook requires a {SIGNATURE_HEADER} header: {_FORMAT}",
             code="missing_signature",
         )
-    expected = sign_body(body, secret)
-    # Header values are latin-1 on the wire; encode so any byte compares, never raises.
-    given = header.strip().lower().encode("latin-1", errors="replace")
-    if not hmac.compare_digest(expected.encode(), given):
+    timestamp, given = _parse_signature(header)
+    expected = _digest(body, secret, timestamp).encode()
+    # Every entry is compared (a list, not a short-circuit), each in constant time.
+    if not any([hmac.compare_digest(expected, g) for g in given]):
         raise AuthenticationError(
-            f"{SIGNATURE_HEADER} does not match the body", code="invalid_signature"
+            f"{SIGNATURE_HEADER} does not match the body and its timestamp",
+            code="invalid_signature",
+        )
+    skew = (time.time() if now is None else now) - timestamp
+    if abs(skew) > tolerance_s:
+        when = "old" if skew > 0 else "in the future"
+        raise AuthenticationError(
+            f"{SIGNATURE_HEADER} timestamp t={timestamp} is {abs(skew):.0f} s {when}, outside "
+            f"the {tolerance_s:g} s tolerance: sign each request when it is sent "
+            "(a replayed or delayed request is refused)",
+            code="signature_expired",
         )

@@ -5,10 +5,18 @@ Requests (`ChatCompletionRequest`, `CompletionRequest`, `LoadLoRAAdapterRequest`
 is a 400 naming the parameter instead of a silent coercion. Fields follow the
 order of the OpenAI API reference. Unknown fields are ignored (as vLLM does) so
 that SDKs and frameworks sending newer parameters keep working; parameters we
-know but cannot honour (penalties, logit bias, `echo`) are accepted only at
-their no-op values and otherwise refused by name. `response_format` follows
+know but cannot honour (`echo`, `suffix`) are accepted only at their no-op
+values and otherwise refused by name. Sampling controls: OpenAI's penalties and
+`logit_bias`, and vLLM's extensions `top_k`, `min_tokens` and `ignore_eos`
+(grouped at the end of each request model). `response_format` follows
 OpenAI's shapes (text, json_object, json_schema) and cannot be combined with a
-forced tool call.
+forced tool call; vLLM's `guided_json` is the same as a json_schema format.
+`metadata` follows OpenAI's limits (16 pairs, keys <= 64, values <= 512
+characters) and is stored with the trajectory. Legacy `functions` /
+`function_call` are mapped onto `tools` / `tool_choice` (one call at most, and
+the reply carries `function_call`); `store` is accepted either way (the gateway
+records every completion: that is what it is for); `service_tier` only as
+"auto" or "default"; `prediction` is refused.
 
 Responses reuse the `openai` package's own types (`ChatCompletion`,
 `ChatCompletionChunk`, `Completion`, `Model`); they allow extra fields, which is
@@ -22,6 +30,7 @@ Not here: turning requests into engine work (see `chat` and `completions`).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -215,15 +224,45 @@ class ResponseFormat(_Wire):
 # ---------------------------------------------------------------- requests
 
 
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+"""`seed` takes a signed or an unsigned 64-bit value (see `engine.types.choice_seed`)."""
+MAX_LOGIT_BIAS = 300
+"""Most `logit_bias` entries (OpenAI's limit)."""
+_TOKEN_ID_KEY = re.compile(r"^(0|[1-9][0-9]{0,9})$")
+
+
+def _check_logit_bias(bias: dict[str, float] | None) -> None:
+    """OpenAI's rules: token ids (decimal strings) -> a bias in [-100, 100], at most 300.
+    Ids beyond the model's vocabulary are refused by the engine (`SamplingParams.check`)."""
+    if not bias:
+        return
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+            param="logit_bias",
+        )
+    for key, value in bias.items():
+        if _TOKEN_ID_KEY.match(key) is None:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids written as decimal integers, got {key[:40]!r}",
+                param="logit_bias",
+            )
+        if not -100.0 <= value <= 100.0:
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                param="logit_bias",
+            )
+
+
+def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs in token order (checked by the request model)."""
+    return tuple(sorted((int(k), float(v)) for k, v in (bias or {}).items()))
+
+
 def _check_sampling(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Checks shared by both completion endpoints that pydantic's field rules cannot express."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(request, name):
-            raise InvalidRequestError(
-                f"{name} is not supported by this engine; omit it or send 0", param=name
-            )
-    if request.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported by this engine", param="logit_bias")
+    _check_logit_bias(request.logit_bias)
     if request.stream_options is not None and not request.stream:
         raise InvalidRequestError(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
@@ -234,6 +273,50 @@ def _check_sampling(request: ChatCompletionRequest | CompletionRequest) -> None:
         raise InvalidRequestError(f"at most {MAX_STOP} stop sequences are allowed", param="stop")
     if any(s == "" for s in stops):
         raise InvalidRequestError("stop sequences must be non-empty strings", param="stop")
+
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's rules for `metadata`: at most 16 pairs, keys <= 64 and values <= 512 chars."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequestError(
+            f"metadata may have at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidRequestError(
+                f"metadata keys may be at most {MAX_METADATA_KEY} characters, got {key[:80]!r}",
+                param="metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE:
+            raise InvalidRequestError(
+                f"metadata values may be at most {MAX_METADATA_VALUE} characters "
+                f"(key {key!r} has {len(value)})",
+                param=f"metadata.{key}",
+            )
+
+
+def _guided_schema(guided: dict[str, Any] | str) -> dict[str, Any]:
+    """vLLM's `guided_json` (a schema, or a string of one) as a schema."""
+    if isinstance(guided, dict):
+        return guided
+    try:
+        schema = json.loads(guided)
+    except ValueError:
+        schema = None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(
+            "guided_json must be a JSON Schema object (or a string holding one)",
+            param="guided_json",
+        )
+    return schema
 
 
 def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -259,11 +342,16 @@ class ChatCompletionRequest(_Wire):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    metadata: dict[str, str] | None = Field(
+        None,
+        description="Up to 16 string pairs stored with the trajectory; "
+        "`conversation_id` is what feedback may name.",
+    )
     n: int | None = Field(1, ge=1, le=MAX_N)
     parallel_tool_calls: bool | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     response_format: ResponseFormat | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -272,6 +360,31 @@ class ChatCompletionRequest(_Wire):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     user: str | None = None
+    # Legacy and accepted-only fields (see `_check_accepted`), and vLLM's `guided_json`.
+    functions: list[FunctionDefinition] | None = Field(
+        None, description="Deprecated: mapped to `tools`, one call at most."
+    )
+    function_call: Literal["none", "auto"] | NamedFunction | None = Field(
+        None, description="Deprecated: mapped to `tool_choice`."
+    )
+    prediction: dict[str, Any] | None = Field(None, description="Not supported: refused.")
+    service_tier: str | None = Field(None, description='"auto" or "default"; others refused.')
+    store: bool | None = Field(
+        None, description="Accepted either way: the gateway records every completion."
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="vLLM's extension: the same as a json_schema response_format."
+    )
+    # vLLM's sampling extensions (the OpenAI SDK sends them through `extra_body`).
+    top_k: int | None = Field(
+        None, ge=-1, description="Keep only the k most likely tokens; 0 or -1: off (vLLM)."
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="EOS and stop token ids are blocked until this many tokens (vLLM)."
+    )
+    ignore_eos: bool | None = Field(
+        None, description="Keep generating past EOS, up to max_tokens (vLLM)."
+    )
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -280,19 +393,65 @@ class ChatCompletionRequest(_Wire):
             raise InvalidRequestError(
                 "logprobs must be set to true if top_logprobs is used", param="top_logprobs"
             )
+        _check_metadata(self.metadata)
+        self._check_accepted()
+        self._map_functions()
         self._check_tools()
-        fmt = self.response_format
-        if (
-            fmt is not None
-            and fmt.constrains
-            and self.effective_tool_choice not in ("none", "auto")
-        ):
-            raise InvalidRequestError(
-                f"response_format {fmt.type!r} cannot be combined with a forced "
-                "tool_choice: the reply is either the forced call or a JSON object; drop one",
-                param="response_format",
-            )
+        self._check_reply_format()
         return self
+
+    def _check_accepted(self) -> None:
+        """Fields OpenAI documents that this gateway accepts only at some values."""
+        if self.prediction is not None:
+            raise InvalidRequestError(
+                "prediction (predicted outputs) is not supported; omit it", param="prediction"
+            )
+        if self.service_tier not in (None, "auto", "default"):
+            raise InvalidRequestError(
+                f"service_tier {self.service_tier!r} is not offered; send 'auto' or 'default'",
+                param="service_tier",
+            )
+
+    def _map_functions(self) -> None:
+        """Legacy `functions` / `function_call` become `tools` / `tool_choice` (one call at most:
+        the legacy reply has room for one `function_call`)."""
+        if self.functions is None:
+            if self.function_call is not None:
+                raise InvalidRequestError("function_call requires functions", param="function_call")
+            return
+        if self.tools is not None or self.tool_choice is not None:
+            raise InvalidRequestError(
+                "send either functions/function_call (deprecated) or tools/tool_choice, not both",
+                param="functions",
+            )
+        if not self.functions:
+            raise InvalidRequestError("functions must not be empty", param="functions")
+        self.tools = [ChatTool(type="function", function=f) for f in self.functions]
+        call = self.function_call
+        if isinstance(call, NamedFunction):
+            self.tool_choice = NamedToolChoice(type="function", function=call)
+        else:
+            self.tool_choice = call
+        self.parallel_tool_calls = False
+
+    def _check_reply_format(self) -> None:
+        fmt = self.response_format
+        param = "response_format"
+        if self.guided_json is not None:
+            if fmt is not None and fmt.constrains:
+                raise InvalidRequestError(
+                    "send either guided_json or a JSON response_format, not both",
+                    param="guided_json",
+                )
+            _guided_schema(self.guided_json)  # a string must hold a JSON object
+            param = "guided_json"
+        if self.constrains_reply and self.effective_tool_choice not in ("none", "auto"):
+            kind = fmt.type if fmt is not None and fmt.constrains else "guided_json"
+            raise InvalidRequestError(
+                f"{kind!r} cannot be combined with a forced tool_choice: "
+                "the reply is either the forced call or a JSON object; drop one",
+                param=param,
+            )
 
     def _check_tools(self) -> None:
         names = [t.function.name for t in self.tools or ()]
@@ -321,8 +480,28 @@ class ChatCompletionRequest(_Wire):
 
     @property
     def constrains_reply(self) -> bool:
-        """`response_format` asks for JSON, so the reply is constrained content."""
+        """`response_format` (or `guided_json`) asks for JSON: the reply is constrained content."""
+        if self.guided_json is not None:
+            return True
         return self.response_format is not None and self.response_format.constrains
+
+    @property
+    def reply_schema(self) -> dict[str, Any] | None:
+        """The schema a JSON reply follows (None: any object, or not a JSON reply)."""
+        if self.guided_json is not None:
+            return _guided_schema(self.guided_json)
+        fmt = self.response_format
+        return fmt.reply_schema if fmt is not None else None
+
+    @property
+    def reply_param(self) -> str:
+        """The parameter that asked for a JSON reply, for errors about its schema."""
+        return "guided_json" if self.guided_json is not None else "response_format"
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request used `functions`: the reply carries `function_call`, not `tool_calls`."""
+        return self.functions is not None
 
     @property
     def effective_tool_choice(self) -> ToolChoice:
@@ -350,7 +529,7 @@ class CompletionRequest(_Wire):
     max_tokens: int | None = Field(16, ge=1)
     n: int | None = Field(1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -358,6 +537,16 @@ class CompletionRequest(_Wire):
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     user: str | None = None
+    # vLLM's sampling extensions (the OpenAI SDK sends them through `extra_body`).
+    top_k: int | None = Field(
+        None, ge=-1, description="Keep only the k most likely tokens; 0 or -1: off (vLLM)."
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="EOS and stop token ids are blocked until this many tokens (vLLM)."
+    )
+    ignore_eos: bool | None = Field(
+        None, description="Keep generating past EOS, up to max_tokens (vLLM)."
+    )
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
