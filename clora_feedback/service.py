@@ -136,9 +136,11 @@ def serve(settings: Settings) -> None:
     """Build the service from `settings` and serve it with uvicorn until interrupted."""
     import uvicorn
 
+    from clora_feedback.gateway.server import uvicorn_config
+
     service = build_service(settings)
-    config = uvicorn.Config(service.app, host=settings.host, port=settings.port, log_level="info")
-    uvicorn.Server(config).run()
+    # Body bounds, header and keep-alive timeouts, access log: `settings.server`.
+    uvicorn.Server(uvicorn_config(service.app, settings)).run()
 
 
 def build_policy(engine: object, model_dir: Path, settings: Settings, name: str) -> PolicyModel:
@@ -178,14 +180,18 @@ def build_service(settings: Settings) -> Service:
     model_dir = resolve_model_dir(settings.engine.model, settings.model_cache_dir)
     name = DEFAULT_MODEL if settings.engine.model == DEFAULT_MODEL else model_dir.name
     engine = build_engine(settings.engine, model_dir, name)
-    store = AsyncTrajectoryStore(settings.trajectory_db)
+    # store_url set: all three stores in one PostgreSQL database; else SQLite under data_dir.
+    log.info("stores: %s", settings.store_display_url)
+    store = AsyncTrajectoryStore(settings.trajectory_db_url)
     # The one reward mapping: applied when samples are read, by this process only.
     policy = DefaultRewardPolicy(settings.feedback)
     # The feedback store joins through a read connection of the trajectory store's own.
     feedback = FeedbackStore(
-        settings.trajectory_db, trajectories=TrajectoryStore(settings.trajectory_db), policy=policy
+        settings.trajectory_db_url,
+        trajectories=TrajectoryStore(settings.trajectory_db_url),
+        policy=policy,
     )
-    registry = AdapterRegistry(settings.adapters_dir, settings.registry_db)
+    registry = AdapterRegistry(settings.adapters_dir, settings.registry_db_url)
     for agent in settings.agents:  # initial adapters become version 1, once
         if agent.adapter_path is not None:
             _register_initial(registry, agent.name, agent.adapter_path, name, engine.lora_limits)

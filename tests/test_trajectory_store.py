@@ -58,8 +58,9 @@ def make_record(
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    with TrajectoryStore(tmp_path / "t.db") as s:
+def store(store_url: str):
+    """The same suite on both backends: a SQLite file, then a fresh PostgreSQL database."""
+    with TrajectoryStore(store_url) as s:
         yield s
 
 
@@ -148,7 +149,34 @@ def test_sqlite_errors_become_store_errors(tmp_path: Path) -> None:
     assert info.value.retriable
 
 
-def test_concurrent_threads_and_second_reader(tmp_path: Path, store: TrajectoryStore) -> None:
+def test_postgres_errors_become_store_errors(postgres_url: str) -> None:
+    import psycopg
+
+    s = TrajectoryStore(postgres_url)
+    assert "postgresql://" in s.url
+    with pytest.raises(StoreError, match="PostgreSQL"):
+        s.path  # noqa: B018 - the property raises
+    s.close()
+    with pytest.raises(StoreError) as info:
+        s.record(make_record())
+    assert isinstance(info.value.__cause__, psycopg.Error)
+    assert info.value.retriable
+    with pytest.raises(StoreError) as unreachable:
+        TrajectoryStore("postgresql://nobody:secret@127.0.0.1:1/none?connect_timeout=1")
+    assert "secret" not in unreachable.value.message
+
+
+def test_recorded_since_pages_in_commit_order(store: TrajectoryStore) -> None:
+    for i in range(5):
+        store.record(make_record(f"p{i}", created_at=10.0 - i))
+    first = store.recorded_since(0, 3)
+    rest = store.recorded_since(first[-1][0], 10)
+    assert [r[1] for r in first + rest] == [f"p{i}" for i in range(5)]
+    assert [r[0] for r in first + rest] == sorted(r[0] for r in first + rest)
+    assert store.recorded_since(rest[-1][0], 10) == []
+
+
+def test_concurrent_threads_and_second_reader(store_url: str, store: TrajectoryStore) -> None:
     def write(k: int) -> None:
         for j in range(10):
             store.record(make_record(f"t{k}-{j}", created_at=float(j)))
@@ -158,7 +186,7 @@ def test_concurrent_threads_and_second_reader(tmp_path: Path, store: TrajectoryS
         t.start()
     for t in threads:
         t.join()
-    with TrajectoryStore(store.path) as reader:  # another connection sees committed data
+    with TrajectoryStore(store_url) as reader:  # another connection sees committed data
         assert reader.count() == 40
         assert reader.get("t3-9") == store.get("t3-9")
 
@@ -187,8 +215,8 @@ def test_record_survives_sigkill_right_after_return(tmp_path: Path) -> None:
         assert reopened.get("chatcmpl-before-kill") == make_record("chatcmpl-before-kill", n=2)
 
 
-async def test_async_store_round_trip_and_order(tmp_path: Path) -> None:
-    async with AsyncTrajectoryStore(tmp_path / "t.db") as store:
+async def test_async_store_round_trip_and_order(store_url: str) -> None:
+    async with AsyncTrajectoryStore(store_url) as store:
         records = [make_record(f"a{i}", created_at=5.0) for i in range(20)]
         await asyncio.gather(*(store.record(r) for r in records))
         assert await store.count() == 20

@@ -1,8 +1,12 @@
 """`clora ingest`: one Kafka feedback consumer as its own process, until SIGTERM/SIGINT.
 
     clora ingest --db var/trajectories.db --bootstrap kafka:9092 [--config settings.yaml]
+    clora ingest --store-url postgresql://user:pw@db:5432/clora --bootstrap kafka:9092
 
-Run several (same `--group-id`) to share the partitions. Topics, the group,
+Run several (same `--group-id`) to share the partitions; on a SQLite file they
+must share one machine, on PostgreSQL (`--store-url`, or the settings'
+`store_url`) any number of machines. With neither flag the store is the
+settings' (`store_url`, else `<data_dir>/trajectories.db`). Topics, the group,
 the batch size, the parked-event TTL and the reward mapping come from the
 settings (file and `CLORA_*` environment); the flags here override them. The
 consumer dead-letters to the settings' dead-letter topic. On exit it prints its
@@ -38,7 +42,13 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="Consume the feedback topics into the feedback store (a Kafka consumer worker).",
         description="Consume feedback topics into the feedback store until SIGTERM/SIGINT.",
     )
-    p.add_argument("--db", type=Path, required=True, help="SQLite database (trajectories.db)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--db", type=Path, help="SQLite database (trajectories.db)")
+    where.add_argument(
+        "--store-url",
+        help="PostgreSQL store postgresql://user:password@host:port/database "
+        "(default: the settings' store_url, else <data_dir>/trajectories.db)",
+    )
     p.add_argument(
         "--bootstrap", help="Kafka bootstrap servers host:port[,...] (default: settings)"
     )
@@ -103,8 +113,11 @@ async def _serve(args: argparse.Namespace) -> ConsumerMetrics:
         if args.agents
         else {a.name for a in settings.agents}
     )
-    trajectories = TrajectoryStore(args.db)
-    store = FeedbackStore(args.db, trajectories=trajectories, policy=DefaultRewardPolicy(feedback))
+    if args.store_url is not None:  # validated (scheme) like the setting itself
+        settings = settings.model_copy(update={"store_url": _checked_url(args.store_url)})
+    db = args.db if args.db is not None else settings.trajectory_db_url
+    trajectories = TrajectoryStore(db)
+    store = FeedbackStore(db, trajectories=trajectories, policy=DefaultRewardPolicy(feedback))
     consumer = build_consumer(
         store,
         feedback,
@@ -121,6 +134,23 @@ async def _serve(args: argparse.Namespace) -> ConsumerMetrics:
         store.close()
         trajectories.close()
     return consumer.metrics
+
+
+def _checked_url(url: str) -> str:
+    """`url` if it is a PostgreSQL URL, by the settings' own rule."""
+    from pydantic import ValidationError
+
+    from clora_feedback.config import Settings
+    from clora_feedback.errors import InvalidRequestError
+
+    try:
+        checked = Settings(store_url=url).store_url
+    except ValidationError as exc:
+        message = exc.errors()[0]["msg"]
+        raise InvalidRequestError(f"--store-url: {message}", param="store_url") from exc
+    if checked is None:  # blank text: the setting's "unset"
+        raise InvalidRequestError("--store-url is empty", param="store_url")
+    return checked
 
 
 async def _run_until_signalled(consumer: FeedbackConsumer) -> None:

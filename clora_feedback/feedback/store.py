@@ -17,18 +17,33 @@ never from its tables. One transaction covers a whole batch of events: either
 every event of a Kafka batch is durable, or none is and the uncommitted
 offsets replay them.
 
-State of an event (table `feedback_events`, primary key `event_id`):
+State of an event (table `feedback_events`, key `(agent, event_id)`):
 
     joined  its targets are in `event_targets`
-    parked  a completion it names is not stored yet; retried by `rejoin_parked`
+    parked  a completion it names is not stored yet; retried by `rejoin`
     dead    it waited longer than the TTL, or turned out invalid when joined
 
-An event id seen before is a duplicate and changes nothing (idempotency).
+Idempotency is per agent: an `event_id` the same agent sent before is a
+duplicate and changes nothing; another agent's event with the same id is its
+own event. The agent is the event's `agent`, which is also the agent of every
+completion it joins (the join refuses another agent's completion) and one the
+sender's key may judge (the webhook checks it), so no tenant can suppress
+another's feedback by reusing its ids.
 
-Schema version 2 (table `feedback_schema`). Version 1 stored policy output
-(`rewards`: one value per event and sample); opening a v1 file keeps its
-facts (events, and which completions they joined, with their sequence
-numbers, so trainer cursors stay valid) and drops the frozen values.
+Parking is bounded: `ParkedLimit` caps the parked events of one agent, and the
+rejoin pass never scans the backlog. It reads the trajectories stored since its
+cursor (`TrajectoryReader.recorded_since`), looks up only the parked events
+indexed under them (`parked_targets`), and expires the oldest parked events past
+the TTL, each bounded per pass, so its cost follows new trajectories and expiries,
+not how many events are parked.
+
+Tables and migrations (schema version 3): `tables`. The store runs on SQLite or
+PostgreSQL (`store.db`). On PostgreSQL every write transaction first takes the
+store's advisory lock, as SQLite's `BEGIN IMMEDIATE` admits one writer: so the
+`seq` of a join commits in the order it was drawn, and a trainer paging by
+`after_seq` never passes a join that commits later with a smaller `seq`
+(concurrent identity draws can commit out of order); it also makes the
+duplicate check, the parked cap and the rejoin cursor exact across processes.
 
 Not here: Kafka, HTTP, reward arithmetic and scope (see `rewards`).
 """
@@ -36,8 +51,7 @@ Not here: Kafka, HTTP, reward arithmetic and scope (see `rewards`).
 from __future__ import annotations
 
 import logging
-import sqlite3
-import threading
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -46,51 +60,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from clora_feedback.errors import CloraError, StoreError, UnprocessableError
+from clora_feedback.errors import CloraError, OverloadedError, StoreError, UnprocessableError
+from clora_feedback.feedback import parking, tables
+from clora_feedback.feedback.parking import Key, ParkedLimit, Rejected, RejoinReport
 from clora_feedback.feedback.rewards import Judgement, RewardPolicy, RewardSignal
 from clora_feedback.schemas.feedback import Event, parse_event
-from clora_feedback.store.sql import in_chunks
+from clora_feedback.store.db import Tx, is_postgres_url, open_database, sqlite_path
+from clora_feedback.store.sql import LOCK_FEEDBACK, in_chunks, serialize_writers
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS feedback_schema (version INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS feedback_events (
-    event_id TEXT PRIMARY KEY,
-    agent TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    payload TEXT NOT NULL,
-    origin TEXT NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('joined', 'parked', 'dead')),
-    reason TEXT,
-    received_at REAL NOT NULL,
-    updated_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS feedback_by_state ON feedback_events (state, received_at);
-CREATE TABLE IF NOT EXISTS event_targets (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    event_id TEXT NOT NULL REFERENCES feedback_events (event_id),
-    completion_id TEXT NOT NULL,
-    agent TEXT NOT NULL,
-    adapter_version INTEGER NOT NULL,
-    joined_at REAL NOT NULL,
-    UNIQUE (event_id, completion_id)
-);
-CREATE INDEX IF NOT EXISTS targets_by_agent ON event_targets (agent, seq);
-CREATE INDEX IF NOT EXISTS targets_by_completion ON event_targets (completion_id);
-CREATE INDEX IF NOT EXISTS targets_by_version ON event_targets (agent, adapter_version)
-"""
-# `adapter_version` is copied from the (immutable) trajectory at join time, so
-# the guard's per-version read is one indexed query here.
-_INSERT_TARGET = (
-    "INSERT INTO event_targets (seq, event_id, completion_id, agent, adapter_version, joined_at) "
-    "VALUES (?, ?, ?, ?, ?, ?)"
-)
+SCHEMA_VERSION = tables.SCHEMA_VERSION
+REJOIN_BATCH = 1000
+"""Most new trajectories, and most expired events, one rejoin pass reads."""
 _SIGNAL_CACHE = (
-    100_000  # (event, completion, sample) -> signal; exact, since all three are immutable
+    100_000  # (agent, event, completion, sample) -> signal; exact: all four are immutable
 )
 
 
@@ -103,6 +88,10 @@ class TrajectoryReader(Protocol):
 
     def by_conversation(self, conversation_id: str, agent: str | None = None) -> list[str]: ...
 
+    def recorded_since(self, position: int, limit: int) -> list[tuple[int, str, str | None]]:
+        """(position, completion id, conversation id) recorded after `position`, in order."""
+        ...
+
 
 @dataclass(frozen=True)
 class Incoming:
@@ -110,15 +99,6 @@ class Incoming:
 
     event: Event
     origin: str
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """An event that cannot be applied, and why (goes to the dead-letter record)."""
-
-    event_id: str
-    payload: str
-    reason: str
 
 
 @dataclass
@@ -172,31 +152,44 @@ _Reader = TypeVar("_Reader", bound=TrajectoryReader)
 
 _Judged = dict[tuple[str, int], list[tuple[int, Judgement]]]
 """(completion id, sample index) -> (seq, judgement) of each event judging it, oldest first."""
+_Key = Key
 
 
 class FeedbackStore(Generic[_Reader]):
     """Applies feedback events durably and exactly once, and reads them as rewards; thread-safe.
 
     Args:
-        path: the SQLite file (may be the trajectory store's; its own connection).
+        url: the database: a SQLite file (may be the trajectory store's; its own
+            connection), `sqlite:///...`, or `postgresql://...` (see `store.db`).
         trajectories: the trajectory store's read API, which every join goes through.
         policy: turns events into rewards when samples are read.
     """
 
-    def __init__(self, path: Path, *, trajectories: _Reader, policy: RewardPolicy):
-        self.path = Path(path)
+    def __init__(self, url: str | os.PathLike[str], *, trajectories: _Reader, policy: RewardPolicy):
+        self._path = None if is_postgres_url(url) else sqlite_path(url)
         self.policy = policy
         self.trajectories = trajectories
-        self._lock = threading.Lock()
-        self._signals: dict[tuple[str, str, int], RewardSignal] = {}
-        with self._translate("open"):
-            self._conn = sqlite3.connect(
-                self.path, check_same_thread=False, isolation_level=None, timeout=30.0
-            )
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-        with self._transaction() as conn:
-            self._init_schema(conn)
+        self._signals: dict[tuple[str, str, str, int], RewardSignal] = {}
+        # Pragmas as this store always had: WAL, NORMAL, a long busy wait, no foreign keys.
+        self._db = open_database(url, sqlite_timeout_s=30.0, sqlite_foreign_keys=False)
+        self.url = self._db.display_url
+        try:
+            with self._transaction() as conn:
+                tables.init_schema(conn, self.url, trajectories)
+        except BaseException:
+            self._db.close()
+            raise
+
+    @property
+    def path(self) -> Path:
+        """The SQLite file.
+
+        Raises:
+            StoreError: the store is on PostgreSQL (no file; see `url`).
+        """
+        if self._path is None:
+            raise StoreError(f"feedback store {self.url} is on PostgreSQL, not in a file")
+        return self._path
 
     @property
     def reward_policy_id(self) -> str:
@@ -204,146 +197,151 @@ class FeedbackStore(Generic[_Reader]):
         return self.policy.id
 
     @contextmanager
-    def _translate(self, action: str) -> Iterator[None]:
-        try:
-            yield
-        except sqlite3.Error as exc:
-            raise StoreError(f"feedback store {action} failed ({self.path}): {exc}") from exc
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._translate("write"):
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._conn
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-
-    # -- schema ---------------------------------------------------------------------
-
-    def _init_schema(self, conn: sqlite3.Connection) -> None:
-        had_v1 = _has_table(conn, "rewards") and not _has_table(conn, "feedback_schema")
-        for statement in _SCHEMA.split(";"):
-            if statement.strip():
-                conn.execute(statement)
-        row = conn.execute("SELECT max(version) FROM feedback_schema").fetchone()
-        if row[0] is not None and row[0] > SCHEMA_VERSION:
-            raise StoreError(
-                f"{self.path}: feedback schema version {row[0]} is newer than this code "
-                f"({SCHEMA_VERSION}); upgrade clora-feedback"
-            )
-        if had_v1:
-            self._migrate_v1(conn)
-        if row[0] is None:
-            conn.execute("INSERT INTO feedback_schema (version) VALUES (?)", (SCHEMA_VERSION,))
-
-    def _migrate_v1(self, conn: sqlite3.Connection) -> None:
-        """v1 `rewards` (event, completion, sample, value) -> v2 `event_targets` (event, completion).
-
-        Each (event, completion) keeps the highest seq of its v1 rows, so a sample a
-        trainer's cursor already covers is not trained again, and new rows number on
-        from there (AUTOINCREMENT follows the largest seq inserted).
-        """
-        rows = conn.execute(
-            "SELECT max(seq), event_id, completion_id, agent, min(created_at) FROM rewards "
-            "GROUP BY event_id, completion_id ORDER BY max(seq)"
-        ).fetchall()
-        versions: dict[str, int] = {}
-        for chunk, _ in in_chunks(r[2] for r in rows):
-            versions |= {c: t.adapter_version for c, t in self.trajectories.get_many(chunk).items()}
-        conn.executemany(
-            _INSERT_TARGET,
-            [(seq, e, c, a, versions.get(c, 0), at) for seq, e, c, a, at in rows],
-        )
-        conn.execute("DROP TABLE rewards")
-        log.info("feedback store %s: migrated %d joins from schema v1", self.path, len(rows))
+    def _transaction(self) -> Iterator[Tx]:
+        with self._db.write() as tx:
+            serialize_writers(tx, LOCK_FEEDBACK)  # see the module docstring
+            yield tx
 
     # -- writes --------------------------------------------------------------------
 
-    def apply(self, batch: Sequence[Incoming], *, now: float | None = None) -> ApplyReport:
-        """Apply a batch in one transaction; committed (durable) when this returns."""
+    def apply(
+        self,
+        batch: Sequence[Incoming],
+        *,
+        now: float | None = None,
+        limit: ParkedLimit | None = None,
+    ) -> ApplyReport:
+        """Apply a batch in one transaction; committed (durable) when this returns.
+
+        Args:
+            batch: the events, with their origins.
+            now: the time recorded (default: the clock).
+            limit: the per-agent cap on parked events; None parks without limit.
+
+        Raises:
+            OverloadedError: `limit.refuse` and an event would park beyond the cap
+                (code `parked_limit`); the whole batch is rolled back.
+        """
         now = time.time() if now is None else now
         report = ApplyReport()
         with self._transaction() as conn:
-            seen: set[str] = set()
+            seen: set[_Key] = set()
+            parked: dict[str, int] = {}  # agent -> parked events, counted once per batch
             for item in batch:
                 event = item.event
-                if event.event_id in seen or self._known(conn, event.event_id):
+                key = (event.agent, event.event_id)
+                if key in seen or self._known(conn, key):
                     report.duplicates.append(event.event_id)
                     continue
                 payload = event.model_dump_json()
                 try:
                     records = self._join(event)
+                    if records is None and limit is not None:
+                        parking.check_limit(conn, event.agent, parked, limit)
                 except CloraError as exc:
-                    report.rejected.append(Rejected(event.event_id, payload, exc.message))
+                    # An outage is not the event's fault: raise so the caller retries it
+                    # (Kafka rewinds, the webhook answers 503) instead of dead-lettering it.
+                    if isinstance(exc, (OverloadedError, StoreError)):
+                        raise
+                    report.rejected.append(Rejected(event.event_id, payload, exc.message, exc.code))
                     continue
-                seen.add(event.event_id)
-                state = "joined" if records is not None else "parked"
-                conn.execute(
-                    "INSERT INTO feedback_events VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?)",
-                    (
-                        event.event_id,
-                        event.agent,
-                        event.kind,
-                        payload,
-                        item.origin,
-                        state,
-                        now,
-                        now,
-                    ),
-                )
+                seen.add(key)
+                self._insert(conn, item, payload, "joined" if records else "parked", now)
                 if records is not None:
                     self._insert_targets(conn, event, records, now)
-                (report.joined if records is not None else report.parked).append(event.event_id)
+                    report.joined.append(event.event_id)
+                else:
+                    parking.park(conn, event)
+                    report.parked.append(event.event_id)
         return report
+
+    def _insert(self, conn: Tx, item: Incoming, payload: str, state: str, now: float) -> None:
+        event = item.event
+        conn.execute(
+            "INSERT INTO feedback_events (event_id, agent, kind, payload, origin, state, reason, "
+            "received_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?)",
+            (event.event_id, event.agent, event.kind, payload, item.origin, state, now, now),
+        )
+
+    def rejoin(
+        self, *, ttl_s: float, now: float | None = None, batch: int = REJOIN_BATCH
+    ) -> RejoinReport:
+        """One bounded pass: join the parked events newly stored trajectories complete; expire.
+
+        Reads at most `batch` trajectories stored since the previous pass and only the
+        parked events indexed under them, then at most `batch` of the oldest events
+        parked longer than `ttl_s` (each tried once more before it dies). `more` says a
+        bound was hit.
+        """
+        now = time.time() if now is None else now
+        out = RejoinReport()
+        with self._transaction() as conn:
+            (position,) = conn.execute("SELECT position FROM rejoin_cursor").fetchone()
+            arrived = self.trajectories.recorded_since(position, batch)
+            waiting = parking.waiting_for(conn, arrived)
+            expired = conn.execute(parking.EXPIRED, (now - ttl_s, batch)).fetchall()
+            tried: set[_Key] = set()
+            for rows, ttl in ((waiting, None), (expired, ttl_s)):
+                for agent, event_id, payload in rows:
+                    if (agent, event_id) not in tried:  # an arrival may be late as well
+                        tried.add((agent, event_id))
+                        self._retry(conn, payload, now, ttl, out)
+            if arrived:
+                conn.execute("UPDATE rejoin_cursor SET position = ?", (arrived[-1][0],))
+        out.trajectories_read, out.examined = len(arrived), len(tried)
+        out.more = len(arrived) == batch or len(expired) == batch
+        return out
 
     def rejoin_parked(
         self, *, ttl_s: float, now: float | None = None
     ) -> tuple[list[str], list[Rejected]]:
-        """Retry parked events; those older than `ttl_s` (or now invalid) become dead.
+        """Bounded `rejoin` passes until none has more work (each its own transaction).
 
         Returns:
             (event ids joined now, events that died with their reasons).
         """
-        now = time.time() if now is None else now
         joined: list[str] = []
         dead: list[Rejected] = []
-        with self._transaction() as conn:
-            rows = conn.execute(
-                "SELECT event_id, payload, received_at FROM feedback_events WHERE state = 'parked'"
-            ).fetchall()
-            for event_id, payload, received_at in rows:
-                event = parse_event(payload)
-                reason = None
-                try:
-                    records = self._join(event)
-                    if records is not None:
-                        self._insert_targets(conn, event, records, now)
-                        joined.append(event_id)
-                        conn.execute(
-                            "UPDATE feedback_events SET state='joined', updated_at=? WHERE event_id=?",
-                            (now, event_id),
-                        )
-                        continue
-                    if now - received_at > ttl_s:
-                        reason = f"no trajectory for {self._missing_text(event)} after {ttl_s:g} s"
-                except CloraError as exc:
-                    reason = exc.message
-                if reason is not None:
-                    dead.append(Rejected(event_id, payload, reason))
-                    conn.execute(
-                        "UPDATE feedback_events SET state='dead', reason=?, updated_at=? WHERE event_id=?",
-                        (reason, now, event_id),
-                    )
-        return joined, dead
+        while True:
+            report = self.rejoin(ttl_s=ttl_s, now=now)
+            joined += report.joined
+            dead += report.dead
+            if not report.more:
+                return joined, dead
+
+    def _retry(
+        self,
+        conn: Tx,
+        payload: str,
+        now: float,
+        ttl_s: float | None,
+        out: RejoinReport,
+    ) -> None:
+        """Join one parked event if it can; it dies if invalid, or if expired (`ttl_s` given)."""
+        event = parse_event(payload)
+        try:
+            records = self._join(event)
+        except CloraError as exc:
+            reason = exc.message
+        else:
+            if records is not None:
+                self._insert_targets(conn, event, records, now)
+                parking.leave(conn, event, "joined", None, now)
+                out.joined.append(event.event_id)
+                return
+            if ttl_s is None:
+                return  # still waiting for another of its targets
+            reason = f"no trajectory for {self._missing_text(event)} after {ttl_s:g} s"
+        parking.leave(conn, event, "dead", reason, now)
+        out.dead.append(Rejected(event.event_id, payload, reason))
 
     # -- the join ----------------------------------------------------------------------
 
-    def _known(self, conn: sqlite3.Connection, event_id: str) -> bool:
+    def _known(self, conn: Tx, key: _Key) -> bool:
         return (
-            conn.execute("SELECT 1 FROM feedback_events WHERE event_id = ?", (event_id,)).fetchone()
+            conn.execute(
+                "SELECT 1 FROM feedback_events WHERE agent = ? AND event_id = ?", key
+            ).fetchone()
             is not None
         )
 
@@ -389,18 +387,19 @@ class FeedbackStore(Generic[_Reader]):
 
     def _insert_targets(
         self,
-        conn: sqlite3.Connection,
+        conn: Tx,
         event: Event,
         records: list[TrajectoryRecord],
         now: float,
     ) -> None:
-        conn.executemany(
-            _INSERT_TARGET,
-            [(None, event.event_id, t.id, event.agent, t.adapter_version, now) for t in records],
-        )
+        rows = [(event.event_id, t.id, event.agent, t.adapter_version, now) for t in records]
+        if conn.dialect == "sqlite":  # seq NULL: AUTOINCREMENT numbers it, as it always did
+            conn.executemany(tables.INSERT_TARGET, [(None, *r) for r in rows])
+        else:
+            conn.executemany(tables.INSERT_NEW_TARGET, rows)
 
     def _signal(self, event: Event, record: TrajectoryRecord, sample: SampleRecord) -> RewardSignal:
-        key = (event.event_id, record.id, sample.index)
+        key = (event.agent, event.event_id, record.id, sample.index)
         signal = self._signals.get(key)
         if signal is None:
             signal = self.policy.signal(event, sample.text)
@@ -411,24 +410,31 @@ class FeedbackStore(Generic[_Reader]):
 
     # -- reading facts as rewards ---------------------------------------------------------
 
-    def _events(self, ids: Iterable[str]) -> dict[str, Event]:
-        """Stored events by id (caller holds the lock)."""
-        out: dict[str, Event] = {}
-        for chunk, marks in in_chunks(ids):
-            for event_id, payload in self._conn.execute(
-                f"SELECT event_id, payload FROM feedback_events WHERE event_id IN ({marks})", chunk
-            ):
-                out[event_id] = parse_event(payload)
+    @staticmethod
+    def _events(tx: Tx, keys: Iterable[_Key]) -> dict[_Key, Event]:
+        """Stored events by (agent, event_id) (inside the caller's read); one query per agent chunk."""
+        by_agent: dict[str, list[str]] = defaultdict(list)
+        for agent, event_id in keys:
+            by_agent[agent].append(event_id)
+        out: dict[_Key, Event] = {}
+        for agent, ids in by_agent.items():
+            for chunk, marks in in_chunks(ids):
+                for event_id, payload in tx.execute(
+                    "SELECT event_id, payload FROM feedback_events "
+                    f"WHERE agent = ? AND event_id IN ({marks})",
+                    (agent, *chunk),
+                ):
+                    out[(agent, event_id)] = parse_event(payload)
         return out
 
     def _judge(
-        self, rows: Sequence[tuple[int, str, str]], events: dict[str, Event]
+        self, rows: Sequence[tuple[int, str, str, str]], events: dict[_Key, Event]
     ) -> tuple[_Judged, dict[str, TrajectoryRecord]]:
-        """Apply the policy to (seq, event id, completion id) rows, in seq order."""
+        """Apply the policy to (seq, agent, event id, completion id) rows, in seq order."""
         records = self.trajectories.get_many(c for *_, c in rows)
         judged: _Judged = defaultdict(list)
-        for seq, event_id, completion_id in rows:
-            event, record = events[event_id], records.get(completion_id)
+        for seq, agent, event_id, completion_id in rows:
+            event, record = events[(agent, event_id)], records.get(completion_id)
             if record is None:
                 continue
             for sample in record.samples:
@@ -449,29 +455,37 @@ class FeedbackStore(Generic[_Reader]):
     def _judged_where(
         self, where: str, params: tuple[Any, ...]
     ) -> tuple[_Judged, dict[str, TrajectoryRecord]]:
-        with self._lock, self._translate("read"):
-            rows = self._conn.execute(
-                f"SELECT seq, event_id, completion_id FROM event_targets WHERE {where} ORDER BY seq",
+        with self._db.read() as tx:
+            rows = tx.execute(
+                f"SELECT seq, agent, event_id, completion_id FROM event_targets WHERE {where} "
+                "ORDER BY seq",
                 params,
             ).fetchall()
-            events = self._events(r[1] for r in rows)
+            events = self._events(tx, ((r[1], r[2]) for r in rows))
         return self._judge(rows, events)
 
     # -- reads -----------------------------------------------------------------------
 
     def state_counts(self, agent: str | None = None) -> dict[str, int]:
-        with self._lock, self._translate("read"):
+        with self._db.read() as tx:
             sql = "SELECT state, count(*) FROM feedback_events"
-            rows = self._conn.execute(
+            rows = tx.execute(
                 sql + (" WHERE agent = ? GROUP BY state" if agent else " GROUP BY state"),
                 (agent,) if agent else (),
             ).fetchall()
         return {state: n for state, n in rows}
 
-    def event_state(self, event_id: str) -> tuple[str, str | None] | None:
-        with self._lock, self._translate("read"):
-            row = self._conn.execute(
-                "SELECT state, reason FROM feedback_events WHERE event_id = ?", (event_id,)
+    def event_state(self, event_id: str, agent: str | None = None) -> tuple[str, str | None] | None:
+        """(state, reason) of `agent`'s event `event_id`; with no agent, the first received
+        of that id (ids are scoped per agent, so several agents may each have one)."""
+        where, params = "event_id = ?", [event_id]
+        if agent is not None:
+            where, params = "agent = ? AND event_id = ?", [agent, event_id]
+        with self._db.read() as tx:
+            row = tx.execute(
+                f"SELECT state, reason FROM feedback_events WHERE {where} "
+                "ORDER BY received_at, rowid LIMIT 1",
+                params,
             ).fetchone()
         return (row[0], row[1]) if row else None
 
@@ -505,12 +519,9 @@ class FeedbackStore(Generic[_Reader]):
         return [self.policy.reward([j for _, j in items]) for items in ordered]
 
     def agents_with_rewards(self) -> list[str]:
-        with self._lock, self._translate("read"):
+        with self._db.read() as tx:
             return [
-                r[0]
-                for r in self._conn.execute(
-                    "SELECT DISTINCT agent FROM event_targets ORDER BY agent"
-                )
+                r[0] for r in tx.execute("SELECT DISTINCT agent FROM event_targets ORDER BY agent")
             ]
 
     def training_samples(
@@ -524,8 +535,8 @@ class FeedbackStore(Generic[_Reader]):
         policy judges no sample with (all skipped) moves on to the next one.
         """
         while True:
-            with self._lock, self._translate("read"):
-                page = self._conn.execute(
+            with self._db.read() as tx:
+                page = tx.execute(
                     "SELECT seq, completion_id FROM event_targets WHERE agent = ? AND seq > ? "
                     "ORDER BY seq LIMIT ?",
                     (agent, after_seq, limit),
@@ -533,15 +544,15 @@ class FeedbackStore(Generic[_Reader]):
                 if not page:
                     return []
                 cutoff = page[-1][0]
-                rows: list[tuple[int, str, str]] = []
+                rows: list[tuple[int, str, str, str]] = []
                 for chunk, marks in in_chunks(c for _, c in page):
-                    rows += self._conn.execute(
-                        "SELECT seq, event_id, completion_id FROM event_targets "
+                    rows += tx.execute(
+                        "SELECT seq, agent, event_id, completion_id FROM event_targets "
                         f"WHERE completion_id IN ({marks}) AND seq <= ?",
                         (*chunk, cutoff),
                     ).fetchall()
                 rows.sort()
-                events = self._events(r[1] for r in rows)
+                events = self._events(tx, ((r[1], r[2]) for r in rows))
             judged, records = self._judge(rows, events)
             out = [
                 self._sample(records[cid], idx, items)
@@ -576,14 +587,4 @@ class FeedbackStore(Generic[_Reader]):
 
     def close(self) -> None:
         """Close this store's connection (the trajectory store is its owner's to close)."""
-        with self._lock:
-            self._conn.close()
-
-
-def _has_table(conn: sqlite3.Connection, name: str) -> bool:
-    return (
-        conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
-        ).fetchone()
-        is not None
-    )
+        self._db.close()

@@ -1,4 +1,4 @@
-"""The adapter registry's SQLite index: its tables, and what a row means.
+"""The adapter registry's index (SQLite or PostgreSQL): its tables, and what a row means.
 
 `AdapterRegistry` owns the connection, the transactions and every write (see
 `registry`); this module holds the plain parts it reads them with: the table
@@ -61,6 +61,40 @@ CREATE TABLE IF NOT EXISTS versions (
     PRIMARY KEY (agent, version)
 ) WITHOUT ROWID;
 """
+# The same tables on PostgreSQL, at the current version: the schema version is component
+# `registry` of the shared `clora_schema` table (the trajectory store also has a table
+# named `schema_version` in SQLite, and on PostgreSQL every store shares one database).
+PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS agents (
+    agent TEXT PRIMARY KEY,
+    active_version INTEGER,
+    last_version INTEGER NOT NULL DEFAULT 0,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    activated_by TEXT CHECK (activated_by IN ('publish', 'rollback')),
+    activated_at DOUBLE PRECISION,
+    created_at DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions (
+    agent TEXT NOT NULL REFERENCES agents (agent),
+    version INTEGER NOT NULL,
+    parent INTEGER,
+    step INTEGER NOT NULL,
+    base_model TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    metrics TEXT NOT NULL,
+    feedback_window TEXT,
+    has_optimizer_state INTEGER NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    rolled_back_at DOUBLE PRECISION,
+    rolled_back_reason TEXT,
+    PRIMARY KEY (agent, version)
+)
+"""
+PG_TABLES = ("meta", "agents", "versions")
+"""The registry's tables on PostgreSQL, parents first (its schema version: `clora_schema`)."""
+AGENT_COLUMNS = "agent, active_version, last_version, pinned, activated_by, activated_at"
+"""The `agents` columns, in the order `Pointer.of` and the registry read a row."""
 VERSION_COLUMNS = (
     "agent, version, parent, step, base_model, content_hash, metrics, feedback_window, "
     "has_optimizer_state, created_at, rolled_back_at, rolled_back_reason"

@@ -3,9 +3,10 @@
 Every published version of an agent's adapter is an immutable directory
 `<adapters_dir>/<agent>/<version>/` (PEFT files loadable by
 `peft.PeftModel.from_pretrained` and vLLM, optimizer state, and a manifest
-written last; see `artifact`) plus one row in a SQLite database (WAL,
-`synchronous=FULL`) that also holds each agent's active pointer, pinned flag and
-the highest version number handed out.
+written last; see `artifact`) plus one row in a database (SQLite: WAL,
+`synchronous=FULL`; or PostgreSQL, shared by every process, with the adapter
+directory on storage they all mount) that also holds each agent's active
+pointer, pinned flag and the highest version number handed out.
 
 Publishing is crash-safe: the version is written completely into a temp dir and
 renamed into place (see `artifact`), and only then its row and the active
@@ -14,9 +15,13 @@ served) only once its row is committed; a directory without a row is a crash
 leftover, deleted by `collect_garbage` (run on open) under the store lock that
 every publish holds. Version numbers are reserved (committed) before any file
 is written, so they are monotonic per agent but may skip one lost to a crash.
-One connection behind a lock serves all threads; WAL lets other processes read.
-A `.store-id` file ties the adapter tree to its database: a registry opened on
-another database's tree refuses rather than collect that tree's versions.
+SQLite: one connection behind a lock serves all threads; WAL lets other processes
+read. PostgreSQL: every pointer move reads the agent row `FOR UPDATE` inside its
+transaction, so two processes can never both move it from the same expected value
+(the second waits, then sees the first's move and is refused).
+A `.store-id` file ties the adapter tree to its database (the `meta` row
+`store_id`): a registry opened on another database's tree refuses rather than
+collect that tree's versions.
 
 A version's status is computed from the pointer and its rollback mark, never
 stored (the rule, the tables and the row decoding are in `index`).
@@ -31,10 +36,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sqlite3
-import threading
+import os
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -45,6 +48,7 @@ import torch
 from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
 from clora_feedback.lora.peft_io import load_peft_adapter, read_adapter_config
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
+from clora_feedback.store import registry_schema
 from clora_feedback.store.artifact import (
     OPTIMIZER_NAME,
     VersionDirs,
@@ -53,9 +57,9 @@ from clora_feedback.store.artifact import (
     verify_version_dir,
     write_version_dir,
 )
+from clora_feedback.store.db import Tx, is_postgres_url, open_database, sqlite_path
 from clora_feedback.store.index import (
-    SCHEMA,
-    SCHEMA_VERSION,
+    AGENT_COLUMNS,
     VERSION_COLUMNS,
     Pointer,
     finite_metrics,
@@ -83,15 +87,18 @@ def _version_not_found(agent: str, version: int, *, param: str = "version") -> N
 
 
 class AdapterRegistry:
-    """Versions of every agent's adapter on disk, indexed by SQLite. Thread-safe.
+    """Versions of every agent's adapter on disk, indexed by SQLite or PostgreSQL. Thread-safe.
 
     Methods block on disk (publish and load fsync or hash files): call them off
     the event loop (`asyncio.to_thread`).
 
     Args:
-        root: the adapter store root (`Settings.adapters_dir`); created if missing.
-        db_path: the registry database (default `<root>/registry.db`; the gateway
+        root: the adapter store root (`Settings.adapters_dir`): the version directories,
+            on storage every process of a deployment mounts; created if missing.
+        db_path: the registry database file (default `<root>/registry.db`; the gateway
             should pass `Settings.data_dir / "registry.db"`).
+        db: instead of `db_path`, a URL: a file path, `sqlite:///...` or
+            `postgresql://...` (see `store.db`).
         collect_on_open: delete crash leftovers (temp dirs, uncommitted versions) now.
 
     Raises:
@@ -100,30 +107,37 @@ class AdapterRegistry:
     """
 
     def __init__(
-        self, root: Path, db_path: Path | None = None, *, collect_on_open: bool = True
+        self,
+        root: Path,
+        db_path: str | os.PathLike[str] | None = None,
+        *,
+        db: str | os.PathLike[str] | None = None,
+        collect_on_open: bool = True,
     ) -> None:
+        if db is not None and db_path is not None:
+            raise ValueError("pass the registry database as db_path or as db, not both")
         self.root = Path(root)
-        self.db_path = Path(db_path) if db_path is not None else self.root / "registry.db"
-        self._lock = threading.RLock()  # guards the connection
+        url = (
+            db if db is not None else db_path if db_path is not None else self.root / "registry.db"
+        )
+        self.db_path = None if is_postgres_url(url) else sqlite_path(url)
+        """The SQLite file (None on PostgreSQL)."""
         with self._translate("open"):
             self._dirs = VersionDirs(self.root)
-            self.db_path.parent.mkdir(parents=True, exist_ok=True)
-            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
-            self._conn = sqlite3.connect(
-                self.db_path, check_same_thread=False, isolation_level=None, timeout=10.0
-            )
+        # FULL: publishes are rare and the active pointer must survive power loss too.
+        self._db = open_database(url, sqlite_synchronous="FULL")
+        self.db_url = self._db.display_url
         try:
             self._init_db()
             self._claim_root()
             if collect_on_open:
                 self.collect_garbage()
         except BaseException:
-            self._conn.close()
+            self._db.close()
             raise
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self._db.close()
 
     def __enter__(self) -> AdapterRegistry:
         return self
@@ -139,86 +153,49 @@ class AdapterRegistry:
     # -- plumbing -----------------------------------------------------------------
 
     def _init_db(self) -> None:
-        with self._translate("open"):
-            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StoreError(f"{self.db_path}: could not enable WAL mode (got {mode!r})")
-            # FULL: publishes are rare and the active pointer must survive power loss too.
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.execute("PRAGMA foreign_keys=ON")
         with self._transaction("open") as conn:
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-            row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
-            if row[0] is None:
-                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-            elif row[0] > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.db_path}: schema version {row[0]} is newer than this code "
-                    f"({SCHEMA_VERSION}); upgrade clora-feedback"
-                )
+            registry_schema.init_schema(conn, self.db_url)
 
     def _claim_root(self) -> None:
         """Tie `root` to this database, so garbage collection never deletes another's versions."""
         with self._dirs.lock(), self._transaction("open") as conn:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'store_id'").fetchone()
-            known, on_disk = (row[0] if row else None), self._dirs.store_id()
-            if known is not None and on_disk is not None and known != on_disk:
-                raise StoreError(
-                    f"{self.root} belongs to another adapter registry (store id {on_disk}; "
-                    f"{self.db_path} has {known}): point adapters_dir and the registry "
-                    "database at the same store"
-                )
-            if (known is None or on_disk is None) and self._dirs.has_versions():
-                raise StoreError(
-                    f"{self.root} holds version directories that {self.db_path} does not "
-                    "index; refusing to adopt (or garbage-collect) them"
-                )
-            store_id = known or on_disk or uuid.uuid4().hex
-            if known is None:
-                conn.execute("INSERT INTO meta (key, value) VALUES ('store_id', ?)", (store_id,))
-            if on_disk != store_id:
-                self._dirs.set_store_id(store_id)
+            registry_schema.claim_root(conn, self._dirs, self.db_url)
 
     @contextlib.contextmanager
     def _translate(self, action: str) -> Iterator[None]:
-        """Translate sqlite3 and OS errors once, at this boundary, into `StoreError`."""
+        """Translate OS errors once, at this boundary, into `StoreError` (the database's
+        own errors arrive as `StoreError` from `store.db`)."""
         try:
             yield
-        except (sqlite3.Error, OSError) as exc:
+        except OSError as exc:
             raise StoreError(f"adapter registry {action} failed ({self.root}): {exc}") from exc
 
     @contextlib.contextmanager
-    def _transaction(self, action: str) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._translate(action):
-            conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
+    def _transaction(self, action: str) -> Iterator[Tx]:
+        with self._translate(action), self._db.write() as conn:
+            yield conn
 
     @contextlib.contextmanager
-    def _read(self, action: str = "read") -> Iterator[sqlite3.Connection]:
-        with self._lock, self._translate(action):
-            yield self._conn
+    def _read(self, action: str = "read") -> Iterator[Tx]:
+        with self._translate(action), self._db.read() as conn:
+            yield conn
 
     @staticmethod
-    def _agent_row(conn: sqlite3.Connection, agent: str) -> tuple[Any, ...] | None:
-        """(agent, active_version, last_version, pinned, activated_by, activated_at) or None."""
-        row: tuple[Any, ...] | None = conn.execute(
-            "SELECT agent, active_version, last_version, pinned, activated_by, activated_at "
-            "FROM agents WHERE agent = ?",
-            (agent,),
-        ).fetchone()
+    def _agent_row(conn: Tx, agent: str, *, lock: bool = False) -> tuple[Any, ...] | None:
+        """(agent, active_version, last_version, pinned, activated_by, activated_at) or None.
+
+        `lock` (inside a write): on PostgreSQL the row stays locked until the transaction
+        ends, so a compare-and-set on it cannot interleave with another process's; SQLite's
+        `BEGIN IMMEDIATE` already holds the only write lock.
+        """
+        sql = f"SELECT {AGENT_COLUMNS} FROM agents WHERE agent = ?"
+        if lock and conn.dialect == "postgresql":
+            sql += " FOR UPDATE"
+        row: tuple[Any, ...] | None = conn.execute(sql, (agent,)).fetchone()
         return row
 
-    def _require_agent(self, conn: sqlite3.Connection, agent: str) -> tuple[Any, ...]:
-        row = self._agent_row(conn, agent)
+    def _require_agent(self, conn: Tx, agent: str, *, lock: bool = False) -> tuple[Any, ...]:
+        row = self._agent_row(conn, agent, lock=lock)
         if row is None:
             raise NotFoundError(
                 f"no adapter versions for agent {agent!r}", param="agent", code="agent_not_found"
@@ -226,7 +203,7 @@ class AdapterRegistry:
         return row
 
     @staticmethod
-    def _version_row(conn: sqlite3.Connection, agent: str, version: int) -> tuple[Any, ...] | None:
+    def _version_row(conn: Tx, agent: str, version: int) -> tuple[Any, ...] | None:
         row: tuple[Any, ...] | None = conn.execute(
             f"SELECT {VERSION_COLUMNS} FROM versions WHERE agent = ? AND version = ?",
             (agent, version),
@@ -246,13 +223,17 @@ class AdapterRegistry:
         """
         check_agent_name(agent)
         with self._transaction("reserve") as conn:
-            row = self._agent_row(conn, agent)
+            row = self._agent_row(conn, agent, lock=True)
             if row is None:
-                conn.execute(
-                    "INSERT INTO agents (agent, last_version, created_at) VALUES (?, 1, ?)",
+                # ON CONFLICT: on PostgreSQL another process may insert the agent meanwhile;
+                # then this waits for it and numbers on from its row.
+                if conn.execute(
+                    "INSERT INTO agents (agent, last_version, created_at) VALUES (?, 1, ?) "
+                    "ON CONFLICT (agent) DO NOTHING",
                     (agent, time.time()),
-                )
-                return 1
+                ).rowcount:
+                    return 1
+                row = self._require_agent(conn, agent, lock=True)
             version = int(row[2]) + 1
             conn.execute("UPDATE agents SET last_version = ? WHERE agent = ?", (version, agent))
             return version
@@ -429,9 +410,9 @@ class AdapterRegistry:
         return version
 
     def _check_publishable(
-        self, conn: sqlite3.Connection, agent: str, parent: int | None, activate: bool
+        self, conn: Tx, agent: str, parent: int | None, activate: bool, *, lock: bool = False
     ) -> None:
-        row = self._agent_row(conn, agent)
+        row = self._agent_row(conn, agent, lock=lock)
         active = None if row is None else row[1]
         if row is not None and row[3]:
             raise ConflictError(
@@ -451,7 +432,7 @@ class AdapterRegistry:
         """Insert the version row and move the active pointer, in one transaction."""
         agent, version = manifest["agent"], manifest["version"]
         with self._transaction("publish") as conn:
-            self._check_publishable(conn, agent, manifest["parent"], activate)
+            self._check_publishable(conn, agent, manifest["parent"], activate, lock=True)
             conn.execute(
                 f"INSERT INTO versions ({VERSION_COLUMNS}) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
@@ -638,7 +619,7 @@ class AdapterRegistry:
             raise InvalidRequestError("a rollback needs a reason", param="reason")
         now = time.time()
         with self._transaction("rollback") as conn:
-            active = self._require_agent(conn, agent)[1]
+            active = self._require_agent(conn, agent, lock=True)[1]
             if self._version_row(conn, agent, version) is None:
                 raise _version_not_found(agent, version)
             check_pointer_move(agent, active, version, expected_active)
@@ -674,7 +655,7 @@ class AdapterRegistry:
             ConflictError: the active version is not `expected_active` (`active_changed`).
         """
         with self._transaction("deactivate") as conn:
-            active = self._require_agent(conn, agent)[1]
+            active = self._require_agent(conn, agent, lock=True)[1]
             if active is None or active != expected_active:
                 raise ConflictError(
                     f"agent {agent!r}: the active version is {active}, not {expected_active}",
@@ -706,6 +687,6 @@ class AdapterRegistry:
 
     def _set_pinned(self, agent: str, pinned: bool) -> AgentInfo:
         with self._transaction("pin") as conn:
-            self._require_agent(conn, agent)
+            self._require_agent(conn, agent, lock=True)
             conn.execute("UPDATE agents SET pinned = ? WHERE agent = ?", (int(pinned), agent))
         return self.agent(agent)

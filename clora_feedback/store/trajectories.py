@@ -1,4 +1,4 @@
-"""Durable trajectory store: every served completion, on SQLite in WAL mode.
+"""Durable trajectory store: every served completion, on SQLite (WAL) or PostgreSQL.
 
 A trajectory is what RL training needs from one request: the exact prompt and
 completion token ids the engine used (never re-tokenised text), the behaviour
@@ -9,23 +9,19 @@ the gateway (WAL with `synchronous=NORMAL`; use `FULL` to also survive power
 loss). `AsyncTrajectoryStore` runs the same store on one background thread so
 the gateway's event loop never waits on disk.
 
-Schema (version `SCHEMA_VERSION`, recorded in table `schema_version`):
-
-    completions(id PK, agent, adapter_version, kind, request JSON,
-                prompt_token_ids BLOB, created_at, timings JSON, api_key_agent,
-                conversation_id [v2: indexed], logprobs_mode, version_attribution [v2])
-    samples(completion_id -> completions.id, idx, text, completion_token_ids BLOB,
-            logprobs BLOB, token_versions BLOB, finish_reason, tool_calls JSON)
+Tables, the schema version and the v1 migration: `trajectory_tables` (SQLite or
+PostgreSQL, through `store.db`).
 
 Token ids and adapter versions are stored as little-endian int32 arrays, and
 log-probabilities as little-endian float64 arrays (8 bytes per token, so the
 floats round-trip bit for bit); this is ~4-6x smaller than JSON text and decodes
 with one `array.frombytes` call.
 
-Migrations run on open, in one transaction: v1 -> v2 adds the indexed column
+Migrations run on open, in one transaction (SQLite only: a PostgreSQL database
+starts at the current version): v1 -> v2 adds the indexed column
 `conversation_id` (the request's `metadata.conversation_id` if a string),
 backfilled from the stored request JSON. Other stores read this one only
-through its methods (`exists`, `get_many`, `by_conversation`).
+through its methods (`exists`, `get_many`, `by_conversation`, `recorded_since`).
 
 Deliberately not here: rewards and feedback (joined later by the ingest side),
 training batches, retention or deletion policies.
@@ -36,13 +32,11 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
-import sqlite3
+import os
 import sys
-import threading
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -50,63 +44,15 @@ from typing import Any, Literal, TypeVar
 
 from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
 from clora_feedback.lifecycle import AsyncLifecycle
-from clora_feedback.store.sql import in_chunks
+from clora_feedback.store import trajectory_tables
+from clora_feedback.store.db import Tx, is_postgres_url, open_database, redact, sqlite_path
+from clora_feedback.store.sql import LOCK_TRAJECTORIES, in_chunks, serialize_writers
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = trajectory_tables.SCHEMA_VERSION
+PG_TABLES = trajectory_tables.PG_TABLES
+_COMPLETION_COLUMNS = trajectory_tables.COMPLETION_COLUMNS
+_SAMPLE_COLUMNS = trajectory_tables.SAMPLE_COLUMNS
 _T = TypeVar("_T")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS completions (
-    id TEXT PRIMARY KEY,
-    agent TEXT NOT NULL,
-    adapter_version INTEGER NOT NULL,
-    kind TEXT NOT NULL CHECK (kind IN ('chat', 'completion')),
-    request TEXT NOT NULL,
-    prompt_token_ids BLOB NOT NULL,
-    created_at REAL NOT NULL,
-    timings TEXT NOT NULL,
-    api_key_agent TEXT,
-    conversation_id TEXT,
-    logprobs_mode TEXT NOT NULL DEFAULT 'raw',
-    version_attribution TEXT NOT NULL DEFAULT 'token'
-);
-CREATE INDEX IF NOT EXISTS completions_by_time ON completions (created_at);
-CREATE INDEX IF NOT EXISTS completions_by_agent_time ON completions (agent, created_at);
-CREATE TABLE IF NOT EXISTS samples (
-    completion_id TEXT NOT NULL REFERENCES completions (id) ON DELETE CASCADE,
-    idx INTEGER NOT NULL,
-    text TEXT NOT NULL,
-    completion_token_ids BLOB NOT NULL,
-    logprobs BLOB NOT NULL,
-    token_versions BLOB NOT NULL,
-    finish_reason TEXT,
-    tool_calls TEXT,
-    PRIMARY KEY (completion_id, idx)
-) WITHOUT ROWID;
-"""
-
-_CONVERSATION_INDEX = (
-    "CREATE INDEX IF NOT EXISTS completions_by_conversation "
-    "ON completions (conversation_id, created_at)"
-)
-# v1 -> v2. A non-string id never matched a feedback event (they carry strings): NULL.
-_MIGRATE_V1 = (
-    "ALTER TABLE completions ADD COLUMN conversation_id TEXT",
-    "ALTER TABLE completions ADD COLUMN logprobs_mode TEXT NOT NULL DEFAULT 'raw'",
-    "ALTER TABLE completions ADD COLUMN version_attribution TEXT NOT NULL DEFAULT 'token'",
-    "UPDATE completions SET conversation_id = json_extract(request, '$.metadata.conversation_id') "
-    "WHERE json_type(request, '$.metadata.conversation_id') = 'text'",
-)
-
-_COMPLETION_COLUMNS = (
-    "id, agent, adapter_version, kind, request, prompt_token_ids, "
-    "created_at, timings, api_key_agent, logprobs_mode, version_attribution"
-)
-_SAMPLE_COLUMNS = (
-    "completion_id, idx, text, completion_token_ids, logprobs, token_versions, "
-    "finish_reason, tool_calls"
-)
 
 
 @dataclass(frozen=True)
@@ -182,6 +128,15 @@ class TrajectoryRecord:
         value = metadata.get("conversation_id") if isinstance(metadata, dict) else None
         return value if isinstance(value, str) else None
 
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The request's `metadata` (OpenAI's up to 16 string pairs), stored with the request
+        JSON; `conversation_id` also has its own indexed column. Empty when none was sent."""
+        metadata = self.request.get("metadata")
+        if not isinstance(metadata, dict):
+            return {}
+        return {k: v for k, v in metadata.items() if isinstance(v, str)}
+
 
 def _pack(values: builtins.list[int] | builtins.list[float], code: Literal["i", "d"]) -> bytes:
     packed = array(code, values)
@@ -203,75 +158,49 @@ def _dumps(value: object) -> str:
 
 
 class TrajectoryStore:
-    """Synchronous SQLite store of `TrajectoryRecord`s; safe to share across threads.
+    """Synchronous store of `TrajectoryRecord`s on SQLite or PostgreSQL; safe to share across threads.
 
-    One connection guarded by a lock: SQLite serialises writers anyway, and WAL
-    lets other processes (e.g. a trainer) read while this one writes.
+    SQLite: one connection guarded by a lock (SQLite serialises writers anyway, and
+    WAL lets other processes, e.g. a trainer, read while this one writes).
+    PostgreSQL: a connection pool; the stores of several processes share the database.
 
     Args:
-        path: Database file; parent directories are created.
-        synchronous: `NORMAL` survives process crashes; `FULL` also power loss.
+        url: a database file (parent directories are created), `sqlite:///abs/path.db`,
+            or `postgresql://...` (see `store.db.open_database`).
+        synchronous: SQLite: `NORMAL` survives process crashes; `FULL` also power loss.
 
     Raises:
         StoreError: The database cannot be opened, is not in WAL mode, or was
             written by a newer schema.
     """
 
-    def __init__(self, path: Path, *, synchronous: Literal["NORMAL", "FULL"] = "NORMAL"):
+    def __init__(
+        self, url: str | os.PathLike[str], *, synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    ):
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        with self._translate("open"):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
-            self._conn = sqlite3.connect(
-                self.path, check_same_thread=False, isolation_level=None, timeout=10.0
-            )
-            try:
-                self._init_db(synchronous)
-            except BaseException:
-                self._conn.close()
-                raise
-
-    def _init_db(self, synchronous: str) -> None:
-        conn = self._conn
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise StoreError(f"{self.path}: could not enable WAL mode (got {mode!r})")
-        conn.execute(f"PRAGMA synchronous={synchronous}")
-        conn.execute("PRAGMA foreign_keys=ON")
-        conn.execute("BEGIN IMMEDIATE")
+        self._db = open_database(url, sqlite_synchronous=synchronous)
+        self.url = self._db.display_url
+        self._path = None if is_postgres_url(url) else sqlite_path(url)
+        # Positions for `recorded_since`: SQLite's rowid, PostgreSQL's identity column.
+        self._position = "rowid" if self._db.dialect == "sqlite" else "seq"
         try:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-            row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
-            if row[0] is None:
-                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-            elif row[0] > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.path}: schema version {row[0]} is newer than this code "
-                    f"({SCHEMA_VERSION}); upgrade clora-feedback"
-                )
-            elif row[0] < 2:
-                for statement in _MIGRATE_V1:
-                    conn.execute(statement)
-                conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
-            # After the migration: on a v1 file the column exists only now.
-            conn.execute(_CONVERSATION_INDEX)
-            conn.execute("COMMIT")
+            with self._db.write() as tx:
+                trajectory_tables.init_schema(tx, self.url)
         except BaseException:
-            conn.execute("ROLLBACK")
+            self._db.close()
             raise
 
-    @contextmanager
-    def _translate(self, action: str) -> Iterator[None]:
-        """Translate sqlite3 errors once, at this boundary, into `StoreError`."""
-        try:
-            yield
-        except sqlite3.Error as exc:
-            raise StoreError(f"trajectory store {action} failed ({self.path}): {exc}") from exc
+    @property
+    def path(self) -> Path:
+        """The SQLite file.
+
+        Raises:
+            StoreError: the store is on PostgreSQL (no file; see `url`).
+        """
+        if self._path is None:
+            raise StoreError(f"trajectory store {self.url} is on PostgreSQL, not in a file")
+        return self._path
 
     # -- writes -----------------------------------------------------------------
 
@@ -280,7 +209,7 @@ class TrajectoryStore:
 
         Raises:
             ConflictError: A trajectory with the same id already exists.
-            StoreError: SQLite failed (disk full, I/O error, closed store).
+            StoreError: The database failed (disk full, I/O error, closed store).
             TypeError: `t.request` holds values that are not JSON-serialisable.
         """
         completion_row = (
@@ -310,30 +239,21 @@ class TrajectoryStore:
             )
             for s in t.samples
         ]
-        with self._lock, self._translate("record"):
-            conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                try:
-                    conn.execute(
-                        f"INSERT INTO completions ({_COMPLETION_COLUMNS}, conversation_id) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        completion_row,
-                    )
-                except sqlite3.IntegrityError as exc:
-                    # The only constraint a valid record can break here is the id key.
-                    raise ConflictError(
-                        f"trajectory {t.id!r} is already recorded", code="duplicate_id"
-                    ) from exc
-                conn.executemany(
-                    f"INSERT INTO samples ({_SAMPLE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    sample_rows,
-                )
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
+        with self._db.write() as tx:
+            # PostgreSQL: writers queue here so `seq` values commit in the order drawn and a
+            # `recorded_since` reader's cursor never passes a row that commits later.
+            serialize_writers(tx, LOCK_TRAJECTORIES)
+            inserted = tx.execute(
+                f"INSERT INTO completions ({_COMPLETION_COLUMNS}, conversation_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                completion_row,
+            )
+            if inserted.rowcount == 0:
+                raise ConflictError(f"trajectory {t.id!r} is already recorded", code="duplicate_id")
+            tx.executemany(
+                f"INSERT INTO samples ({_SAMPLE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                sample_rows,
+            )
 
     # -- reads ------------------------------------------------------------------
 
@@ -344,13 +264,13 @@ class TrajectoryStore:
             NotFoundError: No trajectory has that id.
             StoreError: SQLite failed.
         """
-        with self._lock, self._translate("get"):
-            row = self._conn.execute(
+        with self._db.read() as tx:
+            row = tx.execute(
                 f"SELECT {_COMPLETION_COLUMNS} FROM completions WHERE id = ?", (id,)
             ).fetchone()
             if row is None:
                 raise NotFoundError(f"no trajectory with id {id!r}", code="trajectory_not_found")
-            samples = self._conn.execute(
+            samples = tx.execute(
                 f"SELECT {_SAMPLE_COLUMNS} FROM samples WHERE completion_id = ? ORDER BY idx",
                 (id,),
             ).fetchall()
@@ -376,11 +296,11 @@ class TrajectoryStore:
         where, params = self._filters(agent, before)
         query = (
             f"SELECT {_COMPLETION_COLUMNS} FROM completions {where} "
-            "ORDER BY created_at DESC, rowid DESC LIMIT ?"
+            f"ORDER BY created_at DESC, {self._position} DESC LIMIT ?"
         )
-        with self._lock, self._translate("list"):
-            rows = self._conn.execute(query, (*params, limit)).fetchall()
-            by_id = self._samples_of([r[0] for r in rows])
+        with self._db.read() as tx:
+            rows = tx.execute(query, (*params, limit)).fetchall()
+            by_id = self._samples_of(tx, [r[0] for r in rows])
         return [_to_record(r, by_id[r[0]]) for r in rows]
 
     def exists(self, ids: Iterable[str]) -> set[str]:
@@ -390,10 +310,10 @@ class TrajectoryStore:
             StoreError: SQLite failed.
         """
         found: set[str] = set()
-        with self._lock, self._translate("exists"):
+        with self._db.read() as tx:
             for chunk, marks in in_chunks(ids):
                 query = f"SELECT id FROM completions WHERE id IN ({marks})"
-                found.update(r[0] for r in self._conn.execute(query, chunk))
+                found.update(r[0] for r in tx.execute(query, chunk))
         return found
 
     def get_many(self, ids: Iterable[str]) -> dict[str, TrajectoryRecord]:
@@ -404,13 +324,13 @@ class TrajectoryStore:
         Raises:
             StoreError: SQLite failed.
         """
-        with self._lock, self._translate("get_many"):
+        with self._db.read() as tx:
             rows: builtins.list[tuple[Any, ...]] = []
             for chunk, marks in in_chunks(ids):
-                rows += self._conn.execute(
+                rows += tx.execute(
                     f"SELECT {_COMPLETION_COLUMNS} FROM completions WHERE id IN ({marks})", chunk
                 ).fetchall()
-            by_id = self._samples_of([r[0] for r in rows])
+            by_id = self._samples_of(tx, [r[0] for r in rows])
         return {r[0]: _to_record(r, by_id[r[0]]) for r in rows}
 
     def by_conversation(self, conversation_id: str, agent: str | None = None) -> builtins.list[str]:
@@ -427,15 +347,34 @@ class TrajectoryStore:
         params: tuple[str, ...] = (conversation_id,)
         if agent is not None:
             query, params = query + " AND agent = ?", (*params, agent)
-        with self._lock, self._translate("by_conversation"):
-            rows = self._conn.execute(query + " ORDER BY created_at, rowid", params).fetchall()
+        with self._db.read() as tx:
+            rows = tx.execute(f"{query} ORDER BY created_at, {self._position}", params).fetchall()
         return [r[0] for r in rows]
 
-    def _samples_of(self, ids: builtins.list[str]) -> dict[str, builtins.list[SampleRecord]]:
-        """Samples of each completion in `ids`, in index order (caller holds the lock)."""
+    def recorded_since(
+        self, position: int, limit: int
+    ) -> builtins.list[tuple[int, str, str | None]]:
+        """(position, id, conversation_id) of up to `limit` completions recorded after `position`.
+
+        Positions are SQLite rowids or PostgreSQL `seq` values: writers commit one at a
+        time (`record` serialises them on PostgreSQL), so they grow in commit order and a
+        reader's cursor never skips one (the feedback rejoin relies on it).
+        """
+        column = self._position
+        with self._db.read() as tx:
+            rows = tx.execute(
+                f"SELECT {column}, id, conversation_id FROM completions WHERE {column} > ? "
+                f"ORDER BY {column} LIMIT ?",
+                (position, limit),
+            ).fetchall()
+        return [(int(r[0]), r[1], r[2]) for r in rows]
+
+    @staticmethod
+    def _samples_of(tx: Tx, ids: builtins.list[str]) -> dict[str, builtins.list[SampleRecord]]:
+        """Samples of each completion in `ids`, in index order (inside the caller's read)."""
         by_id: dict[str, builtins.list[SampleRecord]] = {i: [] for i in ids}
         for chunk, marks in in_chunks(ids):
-            for s in self._conn.execute(
+            for s in tx.execute(
                 f"SELECT {_SAMPLE_COLUMNS} FROM samples WHERE completion_id IN ({marks}) "
                 "ORDER BY completion_id, idx",
                 chunk,
@@ -450,8 +389,8 @@ class TrajectoryStore:
             StoreError: SQLite failed.
         """
         where, params = self._filters(agent, None)
-        with self._lock, self._translate("count"):
-            row = self._conn.execute(f"SELECT count(*) FROM completions {where}", params).fetchone()
+        with self._db.read() as tx:
+            row = tx.execute(f"SELECT count(*) FROM completions {where}", params).fetchone()
         return int(row[0])
 
     @staticmethod
@@ -471,8 +410,7 @@ class TrajectoryStore:
 
     def close(self) -> None:
         """Close the connection (idempotent); later calls raise `StoreError`."""
-        with self._lock, self._translate("close"):
-            self._conn.close()
+        self._db.close()
 
     def __enter__(self) -> TrajectoryStore:
         return self
@@ -524,22 +462,37 @@ class AsyncTrajectoryStore(AsyncLifecycle):
     write the thread has already begun: the record may still be committed.
 
     Args:
-        path: Database file.
+        url: As for `TrajectoryStore` (a file path, `sqlite:///...` or `postgresql://...`).
         synchronous: As for `TrajectoryStore`.
     """
 
-    def __init__(self, path: Path, *, synchronous: Literal["NORMAL", "FULL"] = "NORMAL"):
-        self.path = Path(path)
+    def __init__(
+        self, url: str | os.PathLike[str], *, synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    ):
+        self._url = url
+        self.url = redact(os.fspath(url))
+        self._path = None if is_postgres_url(url) else sqlite_path(url)
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._executor: ThreadPoolExecutor | None = None
         self._store: TrajectoryStore | None = None
         self._lifecycle = asyncio.Lock()  # start/stop racing each other must not double-open
 
     @property
+    def path(self) -> Path:
+        """The SQLite file.
+
+        Raises:
+            StoreError: the store is on PostgreSQL (no file; see `url`).
+        """
+        if self._path is None:
+            raise StoreError(f"trajectory store {self.url} is on PostgreSQL, not in a file")
+        return self._path
+
+    @property
     def store(self) -> TrajectoryStore:
         """The underlying synchronous store (for threads that are not the event loop)."""
         if self._store is None:
-            raise StoreError(f"trajectory store {self.path} is not started")
+            raise StoreError(f"trajectory store {self.url} is not started")
         return self._store
 
     async def start(self) -> None:
@@ -550,7 +503,7 @@ class AsyncTrajectoryStore(AsyncLifecycle):
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clora-trajectories")
             try:
                 self._store = await asyncio.get_running_loop().run_in_executor(
-                    executor, lambda: TrajectoryStore(self.path, synchronous=self._synchronous)
+                    executor, lambda: TrajectoryStore(self._url, synchronous=self._synchronous)
                 )
             except BaseException:
                 executor.shutdown(wait=False)
@@ -573,7 +526,7 @@ class AsyncTrajectoryStore(AsyncLifecycle):
 
     async def _run(self, fn: Callable[[], _T]) -> _T:
         if self._executor is None:
-            raise StoreError(f"trajectory store {self.path} is not started")
+            raise StoreError(f"trajectory store {self.url} is not started")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def record(self, t: TrajectoryRecord) -> None:
