@@ -16,7 +16,11 @@ Each step, in order:
 3. admit waiting sequences into free rows (loading their adapter into a slot,
    evicting an idle one if needed);
 4. prefill admitted prompts in chunks under a token budget, so a long prompt
-   cannot stall the other rows for long;
+   cannot stall the other rows for long; a prompt first takes its longest
+   cached prefix from the prefix cache (`prefix_cache`: blocks keyed by the
+   tokens and the slot's adapter identity) and prefills only the rest. Prompt
+   blocks are stored as they are prefilled, a conversation's generated blocks
+   when it finishes, so its next turn (and `n > 1` siblings) reuse them;
 5. decode one token for every running sequence, all agents in one batch.
 
 Not here: HTTP, chat templates, persistence, which adapter sits in which slot (see `slots`).
@@ -42,6 +46,7 @@ from clora_feedback.config import EngineConfig
 from clora_feedback.engine.detok import Detokenizer
 from clora_feedback.engine.guided import check_supported, compile_guided
 from clora_feedback.engine.model import KVCache, LoRAModel
+from clora_feedback.engine.prefix_cache import PrefixCache, PrefixChain
 from clora_feedback.engine.sampling import RowSampler, sample_batch
 from clora_feedback.engine.slots import AdapterSlots, HostAdapters
 from clora_feedback.engine.stream import RequestStreamImpl, engine_failure
@@ -74,7 +79,7 @@ _CAPABILITIES = EngineCapabilities(
     per_token_versions=True,
     logprobs="raw",
     in_memory_adapters=True,
-    constraints=frozenset({"json_schema", "tool_call"}),
+    constraints=frozenset({"json_schema", "tool_call", "tool_call_trigger"}),
 )
 
 
@@ -91,6 +96,8 @@ class _Sequence:
     generated: int = 0
     last_token: int = -1
     pending: list[TokenEvent] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    chain: PrefixChain | None = None  # its prefix-cache blocks, once prefill began
 
     @property
     def prompt_len(self) -> int:
@@ -134,6 +141,11 @@ class EmbeddedEngine:
         self._max_len = min(config.max_model_len, self.model.config.max_position_embeddings)
         self.cache = KVCache(
             self.model.config, config.max_num_seqs, self._max_len, self.model.dtype, self.device
+        )
+        self.prefix_cache = (
+            PrefixCache(self.cache, config.prefix_cache_mb << 20)
+            if config.prefix_cache_mb
+            else None
         )
         eos = set(self.model.config.eos_token_ids)
         if self._tokenizer.eos_token_id is not None:
@@ -233,19 +245,22 @@ class EmbeddedEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        sp.check(vocab)
         check_supported(request.guided, _CAPABILITIES)
         constraint = None
         if request.guided is not None:
             constraint = compile_guided(request.guided, self._token_texts())
         loop = asyncio.get_running_loop()
         stream = RequestStreamImpl(request.request_id, loop, self._abort)
+        stop_ids = frozenset(() if sp.ignore_eos else self.eos_token_ids) | frozenset(
+            sp.stop_token_ids
+        )
         seq = _Sequence(
             request=request,
             stream=stream,
-            sampler=RowSampler.create(sp, constraint),
+            sampler=RowSampler.create(sp, constraint, stop_ids),  # min_tokens masks stop_ids
             detok=Detokenizer(self._tokenizer, sp.stop),
-            stop_ids=frozenset(() if sp.ignore_eos else self.eos_token_ids)
-            | frozenset(sp.stop_token_ids),
+            stop_ids=stop_ids,
         )
         with self._lock:
             if request.agent is not None and request.agent not in self._slots:
@@ -344,6 +359,7 @@ class EmbeddedEngine:
                 steps=self._steps,
                 generated_tokens=self._generated,
                 adapters=self._slots.versions(),
+                prefix_cache=self.prefix_cache.stats() if self.prefix_cache else None,
             )
 
     # -- the step loop -----------------------------------------------------------------
@@ -374,6 +390,9 @@ class EmbeddedEngine:
             dirty, adapters = self._slots.begin_step(self._running)
             aborts, self._aborts = self._aborts, set()
         self._slots.apply_changes(dirty, adapters, self._running)
+        for seq in self._running:  # a flip or rewrite moved the row's weights: stop storing
+            if seq.chain is not None and seq.chain.identity != self._slots.identity_in(seq.slot):
+                seq.chain.valid = False
         for request_id in aborts:
             self._finish_by_id(request_id, "abort")
         self._admit(adapters)
@@ -419,16 +438,37 @@ class EmbeddedEngine:
         for seq in [s for s in self._running if s.in_prefill]:
             if budget <= 0:
                 break
+            if seq.chain is None:
+                self._reuse_prefix(seq)
             start = seq.prefilled
             end = min(seq.prompt_len, start + budget)
             ids = torch.tensor(seq.request.prompt_token_ids[start:end], device=self.device)
             logits = self.model.prefill(ids, self.cache, seq.row, seq.slot, start=start)
             seq.prefilled = end
             budget -= end - start
+            self._store_prefix(seq, end)
             if not seq.in_prefill:
                 self._accept([seq], logits.unsqueeze(0))
                 ready.append(seq)
         return ready
+
+    def _reuse_prefix(self, seq: _Sequence) -> None:
+        """Start `seq`'s prefix chain and copy its cached leading blocks into its row."""
+        if self.prefix_cache is None:
+            return
+        prompt = seq.request.prompt_token_ids
+        seq.chain, found = self.prefix_cache.start(prompt, self._slots.identity_in(seq.slot))
+        seq.prefilled = self.prefix_cache.load(seq.chain, found, self.cache, seq.row)
+
+    def _store_prefix(self, seq: _Sequence, upto: int) -> None:
+        """Keep `seq`'s full blocks below position `upto` (its row holds their keys/values)."""
+        if self.prefix_cache is not None and seq.chain is not None:
+            tokens = (
+                seq.request.prompt_token_ids + seq.output_ids
+                if seq.output_ids
+                else seq.request.prompt_token_ids
+            )
+            self.prefix_cache.store(seq.chain, tokens, upto, self.cache, seq.row)
 
     def _decode(self, seqs: list[_Sequence]) -> None:
         tokens = torch.tensor([s.last_token for s in seqs], device=self.device)
@@ -449,6 +489,7 @@ class EmbeddedEngine:
                 seq.generated += 1
                 self._generated += 1
                 seq.last_token = choice.token_id
+                seq.output_ids.append(choice.token_id)
                 event = TokenEvent(
                     choice.token_id,
                     choice.logprob,
@@ -487,6 +528,9 @@ class EmbeddedEngine:
             if seq in self._waiting:
                 self._waiting.remove(seq)
         if seq in self._running:
+            # The row holds keys/values of every token but the last one sampled (never fed).
+            computed = seq.prefilled if seq.in_prefill else seq.prompt_len + seq.generated - 1
+            self._store_prefix(seq, max(computed, seq.prefilled))
             self._running.remove(seq)
             heapq.heappush(self._free_rows, seq.row)
         tail = seq.detok.flush() if reason != "abort" else ""

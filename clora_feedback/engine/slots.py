@@ -19,12 +19,19 @@ change wakes the step loop. As vLLM keeps its `worker_manager` (loading) apart
 from its `model_manager` (slots), this module keeps slot bookkeeping apart from
 scheduling.
 
+Each host copy gets a fresh content tag when it is staged, and a slot records
+the tag of the weights written into it, so `identity_in(slot)` names exactly
+what a row computed with: (agent, version, tag). The prefix cache keys its
+blocks by it, so even an in-place reload of the same version number never
+reuses keys/values computed with other weights.
+
 Not here: scheduling, sampling and the forward pass (see `embedded`), the slot
 buffers themselves (see `model`), reading adapters from disk (see `lora.peft_io`).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable
@@ -39,6 +46,9 @@ from clora_feedback.lora.weights import LoRAWeights
 HostAdapters = dict[str, tuple[int, LoRAWeights]]
 """agent -> (version, host copy of its weights)."""
 
+SlotIdentity = tuple[str | None, int, int]
+"""(agent, version, content tag) of the weights a slot holds; (None, BASE_VERSION, 0) = base model."""
+
 
 class Row(Protocol):
     """A running sequence as the slots see it: the slot its decode reads."""
@@ -51,6 +61,7 @@ class _Slot:
     agent: str | None = None
     version: int = BASE_VERSION
     last_used: float = 0.0
+    tag: int = 0  # content tag of the host copy written here (0: nothing)
 
 
 class AdapterSlots:
@@ -69,11 +80,16 @@ class AdapterSlots:
         self._adapters: HostAdapters = {}  # host copies: the source of truth
         # agents whose host copy changed since it was written to a slot
         self._dirty: set[str] = set()
+        # A fresh tag per staged host copy; `_step_tags` is the step's snapshot of `_tags`,
+        # taken with the host copies, so a slot write records the tag of what it wrote.
+        self._tag_counter = itertools.count(1)
+        self._tags: dict[str, int] = {}
+        self._step_tags: dict[str, int] = {}
         self._slots = [_Slot() for _ in range(model.num_slots)]
         # Staged updates: `_spare` is the one slot no agent owns and no row reads; `stage`
         # writes into it outside the step, `_flips` hands it to the agent at the next step.
         self._spare = model.num_slots - 1
-        self._flips: dict[str, int] = {}  # agent -> version staged in the spare slot
+        self._flips: dict[str, tuple[int, int]] = {}  # agent -> (version, tag) in the spare slot
         self._stage_lock = threading.Lock()  # one writer of the spare slot at a time
         self.last_publish_s: float | None = None
 
@@ -84,6 +100,7 @@ class AdapterSlots:
         with self._lock:
             if agent not in self._adapters:  # new (or re-added): written by the step if resident
                 self._adapters[agent] = (version, weights)
+                self._tags[agent] = next(self._tag_counter)
                 self._dirty.add(agent)
                 self._lock.notify_all()
                 return
@@ -100,7 +117,8 @@ class AdapterSlots:
             self._model.write_slot(spare, weights)
             with self._lock:
                 self._adapters[agent] = (version, weights)
-                self._flips[agent] = version
+                tag = self._tags[agent] = next(self._tag_counter)
+                self._flips[agent] = (version, tag)
                 self._dirty.discard(agent)
                 self._lock.notify_all()
             self.last_publish_s = time.perf_counter() - t0
@@ -111,6 +129,7 @@ class AdapterSlots:
             if agent not in self._adapters:
                 raise NotFoundError(f"no adapter is loaded for agent {agent!r}", param="lora_name")
             del self._adapters[agent]
+            self._tags.pop(agent, None)
             self._dirty.add(agent)
             self._lock.notify_all()
 
@@ -143,6 +162,7 @@ class AdapterSlots:
         """
         self._apply_flips(running)
         dirty, self._dirty = self._dirty, set()
+        self._step_tags = dict(self._tags)
         return dirty, dict(self._adapters)
 
     def _apply_flips(self, running: Iterable[Row]) -> None:
@@ -154,14 +174,14 @@ class AdapterSlots:
         is written when a request next needs it.
         """
         rows = list(running)
-        for agent, version in self._flips.items():
+        for agent, (version, tag) in self._flips.items():
             old = self._slot_of(agent)
             entry = self._adapters.get(agent)
-            if old is None or entry is None or entry[0] != version:
+            if old is None or entry is None or entry[0] != version or self._tags[agent] != tag:
                 continue
             new = self._spare
             self._slots[new] = _Slot(
-                agent=agent, version=version, last_used=self._slots[old].last_used
+                agent=agent, version=version, last_used=self._slots[old].last_used, tag=tag
             )
             self._slots[old] = _Slot()
             for row in rows:
@@ -184,6 +204,7 @@ class AdapterSlots:
                 version, weights = adapters[agent]
                 self._model.write_slot(slot, weights)
                 self._slots[slot].version = version
+                self._slots[slot].tag = self._step_tags[agent]
             elif slot not in busy:
                 self._model.clear_slot(slot)
                 self._slots[slot] = _Slot()
@@ -204,13 +225,18 @@ class AdapterSlots:
             )
             version, weights = adapters[agent]
             self._model.write_slot(slot, weights)
-            self._slots[slot] = _Slot(agent=agent, version=version)
+            self._slots[slot] = _Slot(agent=agent, version=version, tag=self._step_tags[agent])
         self._slots[slot].last_used = time.monotonic()
         return slot
 
     def version_in(self, slot: int) -> int:
         """The adapter version slot `slot` holds now (`BASE_VERSION` for slot 0)."""
         return self._slots[slot].version
+
+    def identity_in(self, slot: int) -> SlotIdentity:
+        """What slot `slot` holds now: (agent, version, content tag) (the step thread)."""
+        entry = self._slots[slot]
+        return (entry.agent, entry.version, entry.tag)
 
     def _slot_of(self, agent: str) -> int | None:
         for i, slot in enumerate(self._slots):
