@@ -50,8 +50,24 @@ def run_snippet(name: str, gateway: GatewayServer) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def gateway(module_gateway: GatewayServer) -> Iterator[GatewayServer]:
-    yield module_gateway
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    """A gateway on a tiny model with room for an agent loop.
+
+    The random model's tool arguments can run to the 512-token cap, and the tool's
+    result echoes them into the next turn: with the shared 2048-token tiny model an
+    unlucky draw overflows the context, so this one gets 8192 positions.
+    """
+    from conftest import run_gateway
+
+    from clora_feedback.models.tiny import build_tiny_model_dir
+
+    model = build_tiny_model_dir(
+        tmp_path_factory.mktemp("models") / "tiny-long", seed=0, max_position_embeddings=8192
+    )
+    with run_gateway(
+        model, tmp_path_factory.mktemp("gateway"), agents=[{"name": "support"}]
+    ) as server:
+        yield server
 
 
 def test_the_quickstart_has_each_snippet() -> None:
