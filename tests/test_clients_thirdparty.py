@@ -55,7 +55,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]
 
     The random model's tool arguments can run to the 512-token cap, and the tool's
     result echoes them into the next turn: with the shared 2048-token tiny model an
-    unlucky draw overflows the context, so this one gets 8192 positions.
+    unlucky draw overflows the context, so this one gets an 8192-token window.
     """
     from conftest import run_gateway
 
@@ -65,7 +65,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]
         tmp_path_factory.mktemp("models") / "tiny-long", seed=0, max_position_embeddings=8192
     )
     with run_gateway(
-        model, tmp_path_factory.mktemp("gateway"), agents=[{"name": "support"}]
+        model,
+        tmp_path_factory.mktemp("gateway"),
+        engine={"max_model_len": 8192},
+        agents=[{"name": "support"}],
     ) as server:
         yield server
 
