@@ -89,6 +89,8 @@ else
   # A role left by an older run keeps working with the documented password and rights.
   psql_admin -c "ALTER ROLE $ROLE LOGIN CREATEDB PASSWORD '$PASSWORD'" >/dev/null
 fi
+# The tests drop their databases WITH (FORCE), which signals the sessions on them.
+psql_admin -c "GRANT pg_signal_backend TO $ROLE" >/dev/null
 if [ "$(psql_admin -c "SELECT 1 FROM pg_database WHERE datname = '$DATABASE'")" != 1 ]; then
   say "creating database $DATABASE"
   psql_admin -c "CREATE DATABASE $DATABASE OWNER $ROLE" >/dev/null

@@ -19,6 +19,7 @@ Not here: the stores (`clora_feedback.store.db` opens either URL), the vLLM serv
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,11 +104,26 @@ def postgres_url(postgres_server_url: str) -> Iterator[str]:
     try:
         yield with_database(postgres_server_url, name)
     finally:
-        conn = _admin(postgres_server_url)
-        try:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            conn.close()
+        _drop(postgres_server_url, name)
+
+
+def _drop(server_url: str, name: str) -> None:
+    """Drop the test's database. FORCE ends sessions a failed test left open; it is
+    refused while a backend this role may not signal (an autovacuum worker) is still
+    on the database, which leaves within moments: retry, then drop without FORCE."""
+    import psycopg
+
+    conn = _admin(server_url)
+    try:
+        for _ in range(20):
+            try:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                return
+            except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ObjectInUse):
+                time.sleep(0.25)
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    finally:
+        conn.close()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

@@ -412,6 +412,8 @@ class EmbeddedEngine:
                 break
             agent = seq.request.agent
             if agent is not None and agent not in adapters:
+                if agent in self._slots:
+                    continue  # loaded after this step's snapshot was taken: admit it next step
                 self._remove_waiting(seq)
                 self._emit_error(
                     seq,
