@@ -65,7 +65,7 @@ from clora_feedback.feedback import parking, tables
 from clora_feedback.feedback.parking import Key, ParkedLimit, Rejected, RejoinReport
 from clora_feedback.feedback.rewards import Judgement, RewardPolicy, RewardSignal
 from clora_feedback.schemas.feedback import Event, parse_event
-from clora_feedback.store.db import Tx, is_postgres_url, open_database, sqlite_path
+from clora_feedback.store.db import Tx, database_file, open_store
 from clora_feedback.store.sql import LOCK_FEEDBACK, in_chunks, serialize_writers
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
 
@@ -166,19 +166,17 @@ class FeedbackStore(Generic[_Reader]):
     """
 
     def __init__(self, url: str | os.PathLike[str], *, trajectories: _Reader, policy: RewardPolicy):
-        self._path = None if is_postgres_url(url) else sqlite_path(url)
         self.policy = policy
         self.trajectories = trajectories
         self._signals: dict[tuple[str, str, str, int], RewardSignal] = {}
+
+        def init_schema(tx: Tx, display_url: str) -> None:
+            serialize_writers(tx, LOCK_FEEDBACK)  # see the module docstring
+            tables.init_schema(tx, display_url, trajectories)
+
         # Pragmas as this store always had: WAL, NORMAL, a long busy wait, no foreign keys.
-        self._db = open_database(url, sqlite_timeout_s=30.0, sqlite_foreign_keys=False)
+        self._db = open_store(url, init_schema, sqlite_timeout_s=30.0, sqlite_foreign_keys=False)
         self.url = self._db.display_url
-        try:
-            with self._transaction() as conn:
-                tables.init_schema(conn, self.url, trajectories)
-        except BaseException:
-            self._db.close()
-            raise
 
     @property
     def path(self) -> Path:
@@ -187,9 +185,7 @@ class FeedbackStore(Generic[_Reader]):
         Raises:
             StoreError: the store is on PostgreSQL (no file; see `url`).
         """
-        if self._path is None:
-            raise StoreError(f"feedback store {self.url} is on PostgreSQL, not in a file")
-        return self._path
+        return database_file(self._db, "feedback store")
 
     @property
     def reward_policy_id(self) -> str:

@@ -36,7 +36,7 @@ import functools
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -85,6 +85,8 @@ class Database(Protocol):
     dialect: Dialect
     display_url: str
     """The URL with any password replaced by `***` (for logs and error messages)."""
+    file: Path | None
+    """The SQLite file; None on PostgreSQL."""
 
     def read(self) -> AbstractContextManager[Tx]:
         """A read: no writes are committed (SQLite: the shared connection, no transaction)."""
@@ -169,6 +171,47 @@ def open_database(
     )
 
 
+def open_store(
+    url: str | os.PathLike[str], init_schema: Callable[[Tx, str], None], **options: Any
+) -> Database:
+    """`open_database(url, **options)`, then `init_schema(tx, display_url)` in one write
+    transaction.
+
+    The database is closed again if the schema step fails, so a store whose constructor
+    raises leaves no connection or pool behind.
+    """
+    db = open_database(url, **options)
+    try:
+        with db.write() as tx:
+            init_schema(tx, db.display_url)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def database_file(db: Database, what: str) -> Path:
+    """The SQLite file behind `db`, for a store's `path` property.
+
+    Raises:
+        StoreError: `db` is on PostgreSQL (there is no file; name the store by its URL).
+    """
+    if db.file is None:
+        raise StoreError(f"{what} {db.display_url} is on PostgreSQL, not in a file")
+    return db.file
+
+
+def url_file(url: str | os.PathLike[str], what: str) -> Path:
+    """The SQLite file a store URL names, before the store is opened.
+
+    Raises:
+        StoreError: `url` names a PostgreSQL database.
+    """
+    if is_postgres_url(url):
+        raise StoreError(f"{what} {redact(os.fspath(url))} is on PostgreSQL, not in a file")
+    return sqlite_path(url)
+
+
 # -- SQLite ---------------------------------------------------------------------------
 
 
@@ -192,7 +235,7 @@ class _SQLiteDatabase:
     dialect: Dialect = "sqlite"
 
     def __init__(self, path: Path, *, synchronous: str, timeout_s: float, foreign_keys: bool):
-        self.path = path
+        self.file: Path | None = path
         self.display_url = str(path)
         # Reentrant: a store may read (e.g. a version row) while it holds its own write.
         self._lock = threading.RLock()
@@ -284,6 +327,7 @@ class _PostgresDatabase:
 
     def __init__(self, url: str, *, pool_size: int, open_timeout_s: float = 30.0) -> None:
         self.display_url = redact(url)
+        self.file: Path | None = None
         try:
             import psycopg
             import psycopg_pool

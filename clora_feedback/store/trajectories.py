@@ -45,7 +45,7 @@ from typing import Any, Literal, TypeVar
 from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
 from clora_feedback.lifecycle import AsyncLifecycle
 from clora_feedback.store import trajectory_tables
-from clora_feedback.store.db import Tx, is_postgres_url, open_database, redact, sqlite_path
+from clora_feedback.store.db import Tx, database_file, open_store, redact, url_file
 from clora_feedback.store.sql import LOCK_TRAJECTORIES, in_chunks, serialize_writers
 
 SCHEMA_VERSION = trajectory_tables.SCHEMA_VERSION
@@ -179,17 +179,10 @@ class TrajectoryStore:
     ):
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
-        self._db = open_database(url, sqlite_synchronous=synchronous)
+        self._db = open_store(url, trajectory_tables.init_schema, sqlite_synchronous=synchronous)
         self.url = self._db.display_url
-        self._path = None if is_postgres_url(url) else sqlite_path(url)
         # Positions for `recorded_since`: SQLite's rowid, PostgreSQL's identity column.
         self._position = "rowid" if self._db.dialect == "sqlite" else "seq"
-        try:
-            with self._db.write() as tx:
-                trajectory_tables.init_schema(tx, self.url)
-        except BaseException:
-            self._db.close()
-            raise
 
     @property
     def path(self) -> Path:
@@ -198,9 +191,7 @@ class TrajectoryStore:
         Raises:
             StoreError: the store is on PostgreSQL (no file; see `url`).
         """
-        if self._path is None:
-            raise StoreError(f"trajectory store {self.url} is on PostgreSQL, not in a file")
-        return self._path
+        return database_file(self._db, "trajectory store")
 
     # -- writes -----------------------------------------------------------------
 
@@ -471,7 +462,6 @@ class AsyncTrajectoryStore(AsyncLifecycle):
     ):
         self._url = url
         self.url = redact(os.fspath(url))
-        self._path = None if is_postgres_url(url) else sqlite_path(url)
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._executor: ThreadPoolExecutor | None = None
         self._store: TrajectoryStore | None = None
@@ -484,9 +474,7 @@ class AsyncTrajectoryStore(AsyncLifecycle):
         Raises:
             StoreError: the store is on PostgreSQL (no file; see `url`).
         """
-        if self._path is None:
-            raise StoreError(f"trajectory store {self.url} is on PostgreSQL, not in a file")
-        return self._path
+        return url_file(self._url, "trajectory store")
 
     @property
     def store(self) -> TrajectoryStore:
