@@ -125,6 +125,8 @@ class Service:
     """The regression guard; None when disabled."""
     deployer: Deployer | None = None
     """What makes the engine serve the registry's active pointer (when wired)."""
+    settings: Settings | None = None
+    """The settings it was built from (`build_service` sets them)."""
 
     @property
     def ingest(self) -> FeedbackIngest:
@@ -254,4 +256,5 @@ def build_service(settings: Settings) -> Service:
         trainer=trainer,
         guard=guard,
         deployer=deployer,
+        settings=settings,
     )

@@ -276,3 +276,35 @@ def test_redaction_rules() -> None:
     assert redact_query("/v1/x?sk-bare&before=1.5") == f"/v1/x?{REDACTED}&before=1.5"
     scrub = RedactingFilter(["sk-long-key", "sk-long"]).scrub
     assert scrub("/v1/models/sk-long-key/x") == f"/v1/models/{REDACTED}/x"
+
+
+# -- in-process servers (demo, experiments, benchmarks) ----------------------------------
+
+
+async def _hello_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_in_process_servers_have_the_header_timeout_of_their_settings() -> None:
+    """The demo's `LocalServer` (and the benchmarks' `ThreadedServer`) are bounded like
+    `clora serve`: before, they ran uvicorn's defaults and a stalled head hung forever."""
+    from types import SimpleNamespace
+
+    from clora_feedback.demo.server import LocalServer
+
+    service = SimpleNamespace(app=_hello_app, settings=Settings(server={"header_timeout_s": 0.5}))
+    with LocalServer(service) as server:  # type: ignore[arg-type]
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert _read_all(sock).endswith(b"ok")
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHo")
+            assert _read_all(sock) == b""  # closed by the server, not the 30 s socket timeout

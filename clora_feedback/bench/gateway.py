@@ -13,9 +13,7 @@ Not here: the engine benchmarks (see `serve`).
 from __future__ import annotations
 
 import logging
-import socket
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,27 +50,10 @@ class GatewayOverhead:
 @contextmanager
 def _uvicorn_thread(app: Any) -> Iterator[str]:
     """Serve `app` on a free loopback port from a daemon thread; yields its base URL."""
-    import uvicorn
+    from clora_feedback.gateway.server import ThreadedServer
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="bench-gateway"
-    )
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the gateway did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
+    with ThreadedServer(app, name="bench-gateway", start_timeout_s=120) as server:
+        yield server.url
 
 
 async def gateway_overhead(

@@ -9,8 +9,10 @@ arrive while its headers are incomplete, cancelled once h11 has the whole
 request head; when it fires the connection is closed. Bodies are bounded by
 `gateway.limits`, idle connections by uvicorn's own `timeout_keep_alive`.
 
-`uvicorn_config(app, settings)` is the one place the server's options are set
-(`clora serve` and anything else that serves the gateway in production).
+`uvicorn_options(server)` is the one place the server's options are set:
+`uvicorn_config(app, settings)` for `clora serve`, and `ThreadedServer` for the
+demo, the experiments and the benchmarks, which serve the same app on a free
+loopback port from a background thread with the same bounds.
 
 Not here: the app (`gateway.app`), building the service (`clora_feedback.service`).
 """
@@ -18,6 +20,10 @@ Not here: the app (`gateway.app`), building the service (`clora_feedback.service
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
+from types import TracebackType
 from typing import Any
 
 import h11
@@ -25,6 +31,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from clora_feedback.config import ServerConfig, Settings
+from clora_feedback.errors import EngineError
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -96,3 +103,86 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         **overrides,
     }
     return uvicorn.Config(app, **options)
+
+
+class ThreadedServer:
+    """`app` served by uvicorn on a free 127.0.0.1 port from a daemon thread.
+
+    The options are `uvicorn_options(server)` (header timeout, keep-alive, header
+    size, shutdown grace), so an in-process server is bounded like `clora serve`;
+    `overrides` replace single options (the log level, say). Off the main thread
+    uvicorn installs no signal handlers: Ctrl-C stays with the caller.
+
+    Attributes:
+        url: `http://127.0.0.1:<port>` once started ("" before).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        server: ServerConfig | None = None,
+        *,
+        name: str = "clora-gateway",
+        start_timeout_s: float = 300.0,
+        **overrides: Any,
+    ) -> None:
+        self.url = ""
+        self._options: dict[str, Any] = {
+            "log_level": "warning",
+            "lifespan": "on",
+            **uvicorn_options(server or ServerConfig()),
+            **overrides,
+        }
+        self._app = app
+        self._name = name
+        self._start_timeout_s = start_timeout_s
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+
+    def start(self) -> str:
+        """Bind a free port, start uvicorn, wait for the app's lifespan to start; the URL.
+
+        Raises:
+            EngineError: uvicorn stopped, or the lifespan did not start in time.
+        """
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(self._app, **self._options))
+        thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=self._name
+        )
+        thread.start()
+        deadline = time.monotonic() + self._start_timeout_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                sock.close()
+                raise EngineError("the gateway did not start (see the log above)")
+            time.sleep(0.02)
+        self._server, self._thread, self._sock = server, thread, sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self.url
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Ask uvicorn to exit (the app's shutdown runs) and wait for it; idempotent."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+        if self._sock is not None:
+            self._sock.close()
+        self._server = self._thread = self._sock = None
+
+    def __enter__(self) -> ThreadedServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
