@@ -233,6 +233,22 @@ async def test_stop_strings(make_engine: EngineFactory, tiny_model_dir: Path) ->
         assert cut[-1].finish_reason == "stop"
 
 
+async def test_min_tokens_holds_back_stop_strings(
+    make_engine: EngineFactory, tiny_model_dir: Path
+) -> None:
+    """vLLM's rule: a stop string ends the sequence only when a token after the first
+    `min_tokens` completes it (here every token is "a" and so is the stop string)."""
+    async with make_engine(tiny_model_dir) as engine:
+        prompt = list(engine.tokenizer.encode("Once upon"))
+        [a] = engine.tokenizer.encode("a")
+        forced = {"max_tokens": 8, "temperature": 0.0, "logit_bias": ((a, 100.0),), "stop": ("a",)}
+        early = await _collect(engine.add_request(_req("e", None, prompt, **forced)))
+        assert ("".join(c.text for c in early), early[-1].finish_reason) == ("", "stop")
+        held = await _collect(engine.add_request(_req("h", None, prompt, min_tokens=3, **forced)))
+        assert "".join(c.text for c in held) == "aaa"
+        assert held[-1].finish_reason == "stop" and _tokens(held) == [a] * 4
+
+
 async def test_seeds_reproduce_and_n_choices_differ(
     make_engine: EngineFactory, tiny_model_dir: Path
 ) -> None:

@@ -259,7 +259,7 @@ class EmbeddedEngine:
             request=request,
             stream=stream,
             sampler=RowSampler.create(sp, constraint, stop_ids),  # min_tokens masks stop_ids
-            detok=Detokenizer(self._tokenizer, sp.stop),
+            detok=Detokenizer(self._tokenizer, sp.stop, sp.min_tokens),
             stop_ids=stop_ids,
         )
         with self._lock:

@@ -467,7 +467,7 @@ class VLLMEngine:
         lease: Lease,
         stream: RequestStreamImpl,
     ) -> _Ending:
-        detok = Detokenizer(self._tokenizer, request.sampling.stop)
+        detok = Detokenizer(self._tokenizer, request.sampling.stop, request.sampling.min_tokens)
         client = replica.client
         assert isinstance(client, VLLMClient), "requests go to real clients only"
         async with contextlib.aclosing(client.stream(body)) as chunks:
