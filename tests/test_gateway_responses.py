@@ -191,6 +191,70 @@ def test_function_call_round_trip_with_previous_response_id(module_gateway: Gate
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": call.call_id}
 
 
+def test_input_items_list_this_requests_input(module_gateway: GatewayServer) -> None:
+    """`input_items` lists a response's own input (not its instructions, not the previous
+    response's conversation), as the official client pages it."""
+    client = module_gateway.openai()
+    first = client.responses.create(
+        model="support",
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "Checking."},
+        ],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        max_output_tokens=60,
+    )
+    [call] = first.output
+    assert call.type == "function_call"
+    listed = [
+        i.model_dump(mode="json", exclude_none=True)
+        for i in client.responses.input_items.list(first.id)
+    ]
+    assert [(i["type"], i["role"]) for i in listed] == [
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert listed[1]["content"] == [{"type": "input_text", "text": "What is the weather in Paris?"}]
+    second = client.responses.create(
+        model="support",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        max_output_tokens=4,
+    )
+    with module_gateway.http() as http:
+        reply = http.get(f"/v1/responses/{second.id}/input_items", params={"order": "asc"})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        validate("ResponseItemList", body)
+        [output] = body["data"]
+        assert (output["type"], output["call_id"], output["output"]) == (
+            "function_call_output", call.call_id, "sunny"
+        )  # fmt: skip
+        # Pages: one item at a time, in both orders, ids stable across calls.
+        pages: list[dict[str, Any]] = []
+        after: str | None = None
+        while True:
+            params: dict[str, Any] = {"limit": 1, "order": "asc"}
+            if after is not None:
+                params["after"] = after
+            page = http.get(f"/v1/responses/{first.id}/input_items", params=params).json()
+            validate("ResponseItemList", page)
+            pages += page["data"]
+            if not page["has_more"]:
+                break
+            after = page["last_id"]
+        assert pages == listed[::-1]
+        for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"),
+                              ({"after": "msg_nope"}, "after")):  # fmt: skip
+            bad = http.get(f"/v1/responses/{first.id}/input_items", params=params)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        missing = http.get("/v1/responses/chatcmpl-nope/input_items")
+        assert missing.status_code == 404
+        validate("ErrorResponse", missing.json())
+
+
 def test_streamed_function_call_events(module_gateway: GatewayServer) -> None:
     events = stream_events(
         module_gateway,
@@ -300,6 +364,7 @@ def test_store_false_is_captured_but_not_retrievable(module_gateway: GatewayServ
         assert http.get(f"/v1/trajectories/{response.id}").status_code == 200
         for reply in (
             http.get(f"/v1/responses/{response.id}"),
+            http.get(f"/v1/responses/{response.id}/input_items"),
             http.post(
                 "/v1/responses",
                 json={"model": "support", "input": "more", "previous_response_id": response.id},
@@ -358,6 +423,8 @@ def test_keys_scope_responses(start_gateway: GatewayFactory) -> None:
 
     with pytest.raises(openai.NotFoundError):
         sales.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        sales.responses.input_items.list(mine.id)
     with pytest.raises(openai.NotFoundError):
         sales.responses.create(
             model="sales", input="more", previous_response_id=mine.id, max_output_tokens=2

@@ -25,7 +25,7 @@ from clora_feedback.config import Settings
 
 REDACTED = "[REDACTED]"
 ACCESS_LOGGER = "uvicorn.access"
-SAFE_QUERY_PARAMS = frozenset({"agent", "limit", "before", "after", "order", "version"})
+SAFE_QUERY_PARAMS = frozenset({"agent", "limit", "before", "after", "order", "version", "include"})
 """Query parameters the gateway defines; their values carry no secrets and help debugging."""
 
 

@@ -38,6 +38,7 @@ ROUTE_STATUSES: Mapping[str, tuple[int, ...]] = {
     "POST /v1/completions": _GENERATION,
     "POST /v1/responses": _GENERATION,
     "GET /v1/responses/{response_id}": (401, 404),
+    "GET /v1/responses/{response_id}/input_items": (400, 401, 404),
     "GET /v1/models": (401,),
     "GET /v1/models/{model_id}": (401, 404),
     # vLLM's runtime adapter routes (admin key).

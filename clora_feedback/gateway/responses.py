@@ -1,4 +1,5 @@
-"""`POST /v1/responses` and `GET /v1/responses/{id}`: the Responses API over the chat path.
+"""`POST /v1/responses`, `GET /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`:
+the Responses API over the chat path.
 
 A Responses request is served as the chat completion it stands for, by the
 same `ChatHandler`: the same routing and keys, prompt template, tool rendering,
@@ -22,7 +23,11 @@ Per request, `ResponsesHandler`:
    `sequence_number`), the trajectory committed before the last one.
 
 Output items have ids derived from the completion and call ids, so
-`GET /v1/responses/{id}` answers the same items as the creation did. `store:
+`GET /v1/responses/{id}` answers the same items as the creation did. Input
+items are rebuilt from the stored messages from `input_offset` on (the chat
+request records where this request's own input begins, after the developer
+message and a previous response's conversation); their ids derive from the
+response id and the item's place, so every listing and page agrees. `store:
 false` keeps the trajectory for training (what the gateway is for) and only
 hides the response from `GET` and `previous_response_id`.
 
@@ -38,7 +43,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 
@@ -60,6 +65,7 @@ from clora_feedback.schemas.responses import (
 from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryRecord
 
 _EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+_ITEM: TypeAdapter[Any] = TypeAdapter(ResponseItem)
 
 
 # ---------------------------------------------------------------- requests
@@ -120,7 +126,7 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Respo
         "stream_options": {"include_usage": True} if body.stream else None,
         "metadata": body.metadata,
         "user": body.user,
-        "responses": body.origin(),
+        "responses": {**body.origin(), "input_offset": len(head) + len(history)},
     }
     if body.tools:
         wire["tools"] = [
@@ -279,6 +285,80 @@ def _reply(record: TrajectoryRecord) -> tuple[str | None, list[dict[str, Any]] |
     return content, sample.tool_calls, finish
 
 
+# ---------------------------------------------------------------- input items
+
+
+def input_items(record: TrajectoryRecord) -> list[dict[str, Any]]:
+    """The input items of a stored response, in the order they were sent."""
+    origin = record.request["responses"]
+    default = 1 if origin.get("instructions") else 0  # recorded before `input_offset` existed
+    messages = record.request["messages"][origin.get("input_offset", default) :]
+    base = record.id.removeprefix("chatcmpl-")
+    items: list[dict[str, Any]] = []
+    for k, message in enumerate(messages):
+        role, content = message["role"], message.get("content")
+        if role == "tool":
+            items.append(
+                {
+                    "id": f"fco_{base}_{k}",
+                    "type": "function_call_output",
+                    "call_id": message["tool_call_id"],
+                    "output": content or "",
+                    "status": "completed",
+                }
+            )
+            continue
+        if content is not None:
+            kind = "output_text" if role == "assistant" else "input_text"
+            part: dict[str, Any] = {"type": kind, "text": content}
+            if role == "assistant":
+                part |= {"annotations": [], "logprobs": []}
+            items.append(
+                {
+                    "id": f"msg_{base}_{k}",
+                    "type": "message",
+                    "role": role,
+                    "status": "completed",
+                    "content": [part],
+                }
+            )
+        items += [call_item(call) for call in message.get("tool_calls") or ()]
+    return [
+        _ITEM.validate_python(item).model_dump(mode="json", exclude_unset=True) for item in items
+    ]
+
+
+def item_page(
+    items: list[dict[str, Any]], *, limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """One page of `items` as OpenAI's `ResponseItemList`.
+
+    Raises:
+        InvalidRequestError: `limit` outside 1..100, `order` not asc/desc, or `after` not
+            an item of this list.
+    """
+    if not 1 <= limit <= 100:
+        raise InvalidRequestError(f"limit must be between 1 and 100, got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise InvalidRequestError(
+                f"No input item with id {after!r} in this response.", param="after"
+            )
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }
+
+
 # ---------------------------------------------------------------- the handler
 
 
@@ -323,6 +403,19 @@ class ResponsesHandler:
             finish=finish,
             usage=usage_json(len(record.prompt_token_ids), len(sample.completion_token_ids)),
         )
+
+    async def input_items(
+        self,
+        response_id: str,
+        principal: Principal,
+        *,
+        limit: int = 20,
+        order: str = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        """A page of a stored response's input items (OpenAI's default: newest first)."""
+        record = await self._stored(response_id, principal, "response_id")
+        return item_page(input_items(record), limit=limit, order=order, after=after)
 
     async def _stored(self, response_id: str, principal: Principal, param: str) -> TrajectoryRecord:
         """The trajectory of a stored response this caller may see; 404 otherwise."""

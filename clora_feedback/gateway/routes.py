@@ -7,6 +7,7 @@ errors propagate as `CloraError` and are mapped in `errors`. Routes:
     POST /v1/completions             CompletionHandler
     POST /v1/responses               ResponsesHandler (over ChatHandler)
     GET  /v1/responses/{id}          ResponsesHandler (scoped by key)
+    GET  /v1/responses/{id}/input_items  ResponsesHandler (scoped by key, paged)
     GET  /v1/models                  ModelsHandler
     GET  /v1/models/{id}             ModelsHandler (one entry of the list)
     POST /v1/load_lora_adapter       AdapterAdminHandler (admin)
@@ -123,6 +124,21 @@ async def create_response(body: ResponsesRequest, request: Request, principal: A
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request, principal: AnyKey) -> JSONResponse:
     return JSONResponse(await _responses(request).get(response_id, principal))
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    principal: AnyKey,
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+    include: Annotated[list[str] | None, Query()] = None,  # accepted; nothing more to add
+) -> JSONResponse:
+    handler = _responses(request)
+    page = await handler.input_items(response_id, principal, limit=limit, order=order, after=after)
+    return JSONResponse(page)
 
 
 @router.get("/v1/models")

@@ -356,7 +356,9 @@ class ResponsesChatRequest(ChatCompletionRequest):
     Attributes:
         responses: the Responses request as JSON without `input` (`ResponsesRequest.origin`):
             `messages` hold the whole conversation (a previous response's, then this
-            input), preceded by one developer message when `instructions` is set.
+            input), preceded by one developer message when `instructions` is set;
+            plus `input_offset`, the index in `messages` where this request's input
+            begins (for `GET /v1/responses/{id}/input_items`).
     """
 
     responses: dict[str, Any]
