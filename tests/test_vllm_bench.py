@@ -33,5 +33,9 @@ def test_serve_bench_on_vllm_runs_every_measurement(
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip()[:2] for r in rows[1:]] == ["1.", "1.", "2.", "3."]
     results = json.loads((tmp_path / "vllm.json").read_text())
-    for key in ("throughput_ratio", "adapters_ratio", "write_ms", "load_ms", "first_token_ms"):
+    keys = ("throughput_ratio", "adapters_ratio", "write_ms", "load_ms", "first_token_ms",
+            "ttft_floor_ms")  # fmt: skip
+    for key in keys:
         assert results[key] > 0
+    # the direct baseline's prompt is the one the gateway sent (a chat template, not 2 tokens)
+    assert results["prompt_tokens"] > 8

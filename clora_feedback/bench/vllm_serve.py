@@ -5,11 +5,14 @@ one started by `VLLMSupervisor` on `--model`):
 
 1. gateway vs vLLM's own server, same requests: `--streams` concurrent chat
    completions through the gateway (HTTP, on the vLLM engine) vs the same
-   prompts sent straight to vLLM's `/v1/completions` as the token ids the
-   gateway renders, with the body the engine sends (streamed, `logprobs: 0`,
-   `return_token_ids`); tokens/s ratio (goal >= 0.95x), and the p50 latency
-   the gateway adds to a one-token completion (median over alternating
-   pairs; goal < 2 ms);
+   prompts sent straight to vLLM's `/v1/completions`: the token ids the
+   gateway sent, read back from the trajectories it recorded, in the very body
+   the engine sends (`VLLMEngine.completion_body`: streamed, `logprobs: 0`,
+   `return_token_ids`), checked against vLLM's own prompt count; tokens/s
+   ratio (goal >= 0.95x), and the p50 latency the gateway adds to a one-token
+   completion (median over pairs, run in alternating order; goal < 2 ms),
+   beside vLLM's own latency for the same request with a one-token prompt
+   (how much of it is prefill);
 2. 8 rows on 8 adapters vs 8 rows on one adapter through the gateway, as
    decode steps per second: steps are the longest row's completion tokens
    (random adapters can stop rows early, so tokens would flatter one side);
@@ -18,9 +21,12 @@ one started by `VLLMSupervisor` on `--model`):
    optimizer step) -> the registry's directory written (`registry.publish`,
    what the trainer does) -> loaded by the deployer into vLLM under a fresh
    name (`Deployer.sync`) -> the first token of a request served by it
-   (goal < 500 ms). The trainer itself relies on the deployer's watcher,
-   which adds up to `engine.adapter_poll_interval_s` between the write and
-   the load; that wait is reported apart.
+   (goal < 500 ms). Beside it, the floor of its last part: the time to first
+   token of a new prompt of the same length on the version already loaded
+   (what any request costs on vLLM, published or not). The trainer itself
+   relies on the deployer's hand-off, or the watcher, which adds up to
+   `engine.adapter_poll_interval_s` between the write and the load; that wait
+   is reported apart.
 
 All requests are greedy with EOS ignored, so both sides of a ratio do the
 same work. Not a test: nothing here asserts, and pytest never collects it.
@@ -48,8 +54,10 @@ from clora_feedback.config import DEFAULT_MODEL, AgentConfig, EngineConfig, Sett
 from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.engine.vllm import VLLMEngine
 from clora_feedback.engine.vllm.supervisor import VLLMSupervisor
+from clora_feedback.errors import EngineError
 from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.store.trajectories import TrajectoryStore
 
 PROMPTS = tuple(
     f"Customer {i}: my order #{1000 + i} arrived with a {part} missing. What should I do?"
@@ -127,7 +135,12 @@ def engine_config(o: Options, model_dir: Path, url: str) -> EngineConfig:
 
 
 async def _direct(http: httpx.AsyncClient, body: dict[str, Any]) -> int:
-    """One streamed completion straight to vLLM; the tokens it generated."""
+    """One streamed completion straight to vLLM; the tokens it generated.
+
+    Raises:
+        EngineError: vLLM answered with more than one choice (the prompt was not one
+            token-id list: the baseline would not be the gateway's request).
+    """
     tokens = 0
     async with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -135,36 +148,74 @@ async def _direct(http: httpx.AsyncClient, body: dict[str, Any]) -> int:
             if line.startswith("data:") and line.strip() != "data: [DONE]":
                 chunk = json.loads(line[5:])
                 for choice in chunk.get("choices") or []:
+                    if choice.get("index", 0) != 0:
+                        raise EngineError("the direct request made several completions")
                     tokens += len(choice.get("token_ids") or [])
     return tokens
 
 
-async def _gateway(http: httpx.AsyncClient, agent: str, prompt: str, new_tokens: int) -> int:
-    """One chat completion through the gateway; its completion tokens."""
+async def _chat(http: httpx.AsyncClient, agent: str, prompt: str, new_tokens: int) -> Any:
+    """One chat completion through the gateway; the response JSON."""
     body = {"model": agent, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
     response = await http.post("/v1/chat/completions", json=body)
     response.raise_for_status()
-    return int(response.json()["usage"]["completion_tokens"])
+    return response.json()
 
 
-def _direct_body(model: str, prompt_ids: list[int], new_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt_ids, "max_tokens": new_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "logprobs": 0, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, "skip_special_tokens": True}  # fmt: skip
+async def _gateway(http: httpx.AsyncClient, agent: str, prompt: str, new_tokens: int) -> int:
+    """One chat completion through the gateway; its completion tokens."""
+    return int((await _chat(http, agent, prompt, new_tokens))["usage"]["completion_tokens"])
+
+
+async def gateway_prompt_ids(
+    gw: httpx.AsyncClient,
+    direct: httpx.AsyncClient,
+    trajectories: TrajectoryStore,
+    engine: VLLMEngine,
+) -> list[list[int]]:
+    """Each of `PROMPTS` as the token ids the gateway sent to vLLM, read back from the
+    trajectory it recorded (not rendered again here, so the baseline cannot drift from the
+    gateway's template and tokenisation); checked against vLLM's own count of one prompt.
+
+    Raises:
+        EngineError: vLLM does not read the ids as one prompt of that length.
+    """
+    ids = []
+    for prompt in PROMPTS:
+        reply = await _chat(gw, "bench", prompt, 1)
+        record = await asyncio.to_thread(trajectories.get, str(reply["id"]))
+        ids.append(list(record.prompt_token_ids))
+    check = _direct_body(engine, ids[0], 1) | {"stream": False}
+    response = await direct.post("/v1/completions", json=check)
+    response.raise_for_status()
+    answer = response.json()
+    if len(answer["choices"]) != 1 or answer["usage"]["prompt_tokens"] != len(ids[0]):
+        raise EngineError(
+            f"vLLM read the gateway's {len(ids[0])}-token prompt as "
+            f"{len(answer['choices'])} prompts of {answer['usage']['prompt_tokens']} tokens"
+        )
+    return ids
+
+
+def _direct_body(engine: VLLMEngine, prompt_ids: list[int], new_tokens: int) -> dict[str, Any]:
+    """The body `engine` itself sends for a greedy, EOS-ignoring base-model request."""
+    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    request = GenerationRequest("direct", None, list(prompt_ids), sampling)
+    return {"model": engine.served_model, **engine.completion_body(request)}
 
 
 async def bench_gateway_vs_direct(
-    gw: httpx.AsyncClient, direct: httpx.AsyncClient, engine: VLLMEngine, o: Options
+    gw: httpx.AsyncClient,
+    direct: httpx.AsyncClient,
+    engine: VLLMEngine,
+    trajectories: TrajectoryStore,
+    o: Options,
 ) -> dict[str, float]:
     """1. throughput ratio and added latency, gateway vs vLLM's own server."""
-    tok = engine.tokenizer
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}],
-                                        add_generation_prompt=True, tokenize=True))
-           for p in PROMPTS]  # fmt: skip
+    ids = await gateway_prompt_ids(gw, direct, trajectories, engine)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(o.streams)]
-    bodies = [_direct_body(engine.served_model, ids[i % len(ids)], o.new_tokens)
-              for i in range(o.streams)]  # fmt: skip
+    bodies = [_direct_body(engine, ids[i % len(ids)], o.new_tokens) for i in range(o.streams)]
     await asyncio.gather(*(_gateway(gw, "bench", p, 4) for p in prompts))  # warm-up
     rates: dict[str, list[float]] = {"gateway": [], "direct": []}
     for _ in range(2):  # alternate, so drifting load hits both sides alike
@@ -175,21 +226,31 @@ async def bench_gateway_vs_direct(
         n = sum(await asyncio.gather(*(_direct(direct, b) for b in bodies)))
         rates["direct"].append(n / (time.perf_counter() - t0))
     diffs, gw_ms, direct_ms = [], [], []
-    one = _direct_body(engine.served_model, ids[0], 1)
+    one = _direct_body(engine, ids[0], 1)
     for i in range(o.latency_reps + 3):
-        t0 = time.perf_counter()
-        await _gateway(gw, "bench", PROMPTS[0], 1)
-        t1 = time.perf_counter()
-        await _direct(direct, one)
-        t2 = time.perf_counter()
+        times = {}
+        for side in ("gateway", "direct") if i % 2 else ("direct", "gateway"):  # both orders
+            t0 = time.perf_counter()
+            if side == "gateway":
+                await _gateway(gw, "bench", PROMPTS[0], 1)
+            else:
+                await _direct(direct, one)
+            times[side] = (time.perf_counter() - t0) * 1e3
         if i >= 3:
-            gw_ms.append((t1 - t0) * 1e3)
-            direct_ms.append((t2 - t1) * 1e3)
+            gw_ms.append(times["gateway"])
+            direct_ms.append(times["direct"])
             diffs.append(gw_ms[-1] - direct_ms[-1])
+    short = _direct_body(engine, ids[0][-1:], 1)  # the same request with a one-token prompt
+    short_ms = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        await _direct(direct, short)
+        short_ms.append((time.perf_counter() - t0) * 1e3)
     g, d = statistics.median(rates["gateway"]), statistics.median(rates["direct"])
     return {"gateway_tok_s": g, "direct_tok_s": d, "throughput_ratio": g / d,
             "gateway_ms": statistics.median(gw_ms), "direct_ms": statistics.median(direct_ms),
-            "added_p50_ms": statistics.median(diffs)}  # fmt: skip
+            "added_p50_ms": statistics.median(diffs), "prompt_tokens": float(len(ids[0])),
+            "direct_one_token_prompt_ms": statistics.median(short_ms)}  # fmt: skip
 
 
 async def bench_adapters(gw: httpx.AsyncClient, o: Options) -> dict[str, float]:
@@ -209,15 +270,31 @@ async def bench_adapters(gw: httpx.AsyncClient, o: Options) -> dict[str, float]:
     return {"mixed_steps_s": m, "one_adapter_steps_s": s, "adapters_ratio": m / s}
 
 
+async def _first_token(engine: VLLMEngine, rid: str, agent: str, prompt: list[int]) -> int:
+    """Send a one-token request; the adapter version of its first token, once it arrived."""
+    request = GenerationRequest(rid, agent, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    async for chunk in engine.add_request(request):
+        if chunk.tokens:
+            return chunk.tokens[0].adapter_version
+    raise EngineError(f"request {rid} produced no token")
+
+
 async def bench_publish(engine: VLLMEngine, work: Path, o: Options) -> dict[str, float]:
-    """3. weights in hand -> directory written -> loaded in vLLM -> first token of it."""
+    """3. weights in hand -> directory written -> loaded in vLLM -> first token of it.
+
+    Also the floor under the last part: the time to first token of the same-length
+    prompt (rotated, so vLLM's prefix cache cannot serve it) on the version just
+    published, i.e. what any request on any version costs (prefill, one decode step).
+    """
     from clora_feedback.engine.deployer import Deployer
     from clora_feedback.store.registry import AdapterRegistry
 
     registry = AdapterRegistry(work / "adapters", work / "registry.db")
     deployer = Deployer(engine, registry, base_model=engine.model_name)
     agent, prompt = "publisher", list(engine.tokenizer.encode(PROMPTS[1]))
-    parts: dict[str, list[float]] = {"write_ms": [], "load_ms": [], "first_token_ms": []}
+    parts: dict[str, list[float]] = {
+        "write_ms": [], "load_ms": [], "first_token_ms": [], "ttft_floor_ms": [],
+    }  # fmt: skip
     parent = None
     for i in range(o.publishes + 1):
         weights = random_lora_weights(engine.lora_limits, rank=8, seed=100 + i)
@@ -230,20 +307,21 @@ async def bench_publish(engine: VLLMEngine, work: Path, o: Options) -> dict[str,
         t1 = time.perf_counter()
         await deployer.sync(agent)
         t2 = time.perf_counter()
-        request = GenerationRequest(f"publish-{i}", agent, prompt,
-                                    SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
-        async for chunk in engine.add_request(request):
-            if chunk.tokens:
-                assert chunk.tokens[0].adapter_version == info.version
-                break
+        if await _first_token(engine, f"publish-{i}", agent, prompt) != info.version:
+            raise EngineError("the first token after a publish came from another version")
         t3 = time.perf_counter()
+        k = 1 + i % (len(prompt) - 1)
+        await _first_token(engine, f"floor-{i}", agent, prompt[k:] + prompt[:k])
+        t4 = time.perf_counter()
         if i > 0:  # the first one warms the path
             parts["write_ms"].append((t1 - t0) * 1e3)
             parts["load_ms"].append((t2 - t1) * 1e3)
             parts["first_token_ms"].append((t3 - t2) * 1e3)
+            parts["ttft_floor_ms"].append((t4 - t3) * 1e3)
     out = {k: statistics.median(v) for k, v in parts.items()}
     out["publish_total_ms"] = out["write_ms"] + out["load_ms"] + out["first_token_ms"]
     out["watcher_wait_mean_ms"] = engine.config.adapter_poll_interval_s * 1e3 / 2
+    out["publish_prompt_tokens"] = float(len(prompt))
     return out
 
 
@@ -269,11 +347,13 @@ async def measure(o: Options, url: str, model_dir: Path, work: Path) -> dict[str
             httpx.AsyncClient(base_url=gw_url, timeout=600) as gw,
             httpx.AsyncClient(base_url=url, timeout=600) as direct,
         ):
-            await probe.start()  # for the served model's name and the chat template
+            await probe.start()  # for the served model's name
+            trajectories = TrajectoryStore(settings.trajectory_db)  # what the gateway recorded
             try:
-                results |= await bench_gateway_vs_direct(gw, direct, probe, o)
+                results |= await bench_gateway_vs_direct(gw, direct, probe, trajectories, o)
                 results |= await bench_adapters(gw, o)
             finally:
+                trajectories.close()
                 await probe.stop()
     publisher = VLLMEngine(model_dir, config)
     await publisher.start()
@@ -291,14 +371,16 @@ def table(v: dict[str, float], o: Options) -> str:
          ">= 0.95x"),
         ("1. latency the gateway adds, one-token completion (p50 of pair differences)",
          f"**{v['added_p50_ms']:.1f} ms** (gateway {v['gateway_ms']:.1f} vs vLLM "
-         f"{v['direct_ms']:.1f} ms)", "< 2 ms"),
+         f"{v['direct_ms']:.1f} ms, {v['prompt_tokens']:.0f}-token prompt; vLLM with a "
+         f"1-token prompt: {v['direct_one_token_prompt_ms']:.1f} ms)", "< 2 ms"),
         ("2. 8 rows on 8 adapters vs 8 rows on one, through the gateway (decode steps/s)",
          f"**{v['adapters_ratio']:.2f}x** ({v['mixed_steps_s']:.1f} vs "
          f"{v['one_adapter_steps_s']:.1f})", ">= 0.9x"),
         ("3. publish: weights in hand -> first token of the new version on vLLM",
          f"**{v['publish_total_ms']:.0f} ms** (write {v['write_ms']:.0f}, load {v['load_ms']:.0f}, "
-         f"first token {v['first_token_ms']:.0f}; + watcher wait, mean "
-         f"{v['watcher_wait_mean_ms']:.0f})", "< 500 ms"),
+         f"first token {v['first_token_ms']:.0f}, vs {v['ttft_floor_ms']:.0f} for any new "
+         f"{v['publish_prompt_tokens']:.0f}-token prompt on a loaded version; + watcher wait, "
+         f"mean {v['watcher_wait_mean_ms']:.0f})", "< 500 ms"),
     ]  # fmt: skip
     lines = ["| benchmark | result | goal |", "|---|---|---|"]
     return "\n".join([*lines, *(f"| {a} | {b} | {c} |" for a, b, c in rows)])

@@ -213,7 +213,10 @@ class VLLMClient:
         """`POST /v1/completions` with `stream: true`: each SSE chunk's JSON object.
 
         Closing the generator early (`contextlib.aclosing`) or cancelling it closes
-        the HTTP stream, which makes vLLM abort the request.
+        the HTTP stream, which makes vLLM abort the request. Iterated to its end, it
+        reads the body to its end after `[DONE]`: only a response read to the end
+        leaves its keep-alive connection in the pool for the next request (else every
+        request would open a new connection, and vLLM would see each client leave).
         """
         try:
             async with self._http.stream("POST", "/v1/completions", json=dict(body)) as response:
@@ -222,13 +225,16 @@ class VLLMClient:
                     raise request_error(
                         response.status_code, _server_message(response), self.base_url
                     )
-                async for line in response.aiter_lines():
+                lines = response.aiter_lines()
+                async for line in lines:
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        return
+                        break
                     yield self._chunk(data)
+                async for _ in lines:  # the end of the body (nothing follows `[DONE]`)
+                    pass
         except httpx.HTTPError as exc:
             raise self._unavailable(exc) from exc
 

@@ -98,18 +98,18 @@ CAPABILITIES = EngineCapabilities(
 _FINISH: Mapping[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
+def _server_finished(chunk: Mapping[str, Any]) -> bool:
+    """Whether vLLM reports the request finished in this chunk (its stream ends next)."""
+    choices = chunk.get("choices") or []
+    return bool(choices) and choices[0].get("finish_reason") is not None
+
+
 @dataclass(eq=False)
 class _Flight:
     lease: Lease
     task: asyncio.Task[None] = field(init=False)
     replica: Replica | None = None  # set once placed
     failure: CloraError | None = None  # why it was cancelled, when not an abort
-
-
-@dataclass(frozen=True)
-class _Ending:
-    reason: FinishReason
-    tail: str  # the text the detokenizer still held
 
 
 class VLLMEngine:
@@ -340,7 +340,7 @@ class VLLMEngine:
 
     def add_request(self, request: GenerationRequest) -> RequestStreamImpl:
         self._started()
-        body = self._body(request)
+        body = self.completion_body(request)
         capacity = self.config.max_num_seqs + self.config.max_waiting
         if len(self._flights) >= capacity:
             raise OverloadedError(
@@ -371,8 +371,14 @@ class VLLMEngine:
         eos = frozenset() if sp.ignore_eos else self.eos_token_ids
         return eos | frozenset(sp.stop_token_ids)
 
-    def _body(self, request: GenerationRequest) -> dict[str, Any]:
-        """The completion request (without `model`); validates like the embedded engine."""
+    def completion_body(self, request: GenerationRequest) -> dict[str, Any]:
+        """The `/v1/completions` body sent for `request`, without `model` (set at admission);
+        validates like the embedded engine. Public so a benchmark can replay the very body
+        straight to vLLM.
+
+        Raises:
+            InvalidRequestError, ContextLengthError: as `add_request`.
+        """
         sp = request.sampling
         prompt = request.prompt_token_ids
         if not prompt:
@@ -437,8 +443,7 @@ class VLLMEngine:
         try:
             replica = await replicas.place(lease.served, request.agent or rid)
             flight.replica = replica
-            reason = await self._stream(replica, request, body, lease, stream)
-            stream.push(RequestOutput(rid, [], reason.tail, True, reason.reason, prompt_len))
+            await self._stream(replica, request, body, lease, stream)
         except asyncio.CancelledError:  # aborted (by the consumer or by `stop`), or replica out
             if flight.failure is not None:
                 stream.push(flight.failure)
@@ -466,15 +471,30 @@ class VLLMEngine:
         body: dict[str, Any],
         lease: Lease,
         stream: RequestStreamImpl,
-    ) -> _Ending:
+    ) -> None:
+        """Stream the request from `replica` into `stream`, the final output included.
+
+        When vLLM itself ended the request, the rest of its stream (`[DONE]`) is read
+        after the final output went out, so the connection goes back to the pool for
+        the next request; when this side stopped it first (a stop string), closing the
+        stream (aclosing) makes vLLM stop.
+        """
         detok = Detokenizer(self._tokenizer, request.sampling.stop, request.sampling.min_tokens)
         client = replica.client
         assert isinstance(client, VLLMClient), "requests go to real clients only"
         async with contextlib.aclosing(client.stream(body)) as chunks:
             async for chunk in chunks:
                 reason = self._on_chunk(chunk, request, lease, detok, stream)
-                if reason is not None:  # closing the stream (aclosing) makes vLLM stop
-                    return _Ending(reason, detok.flush())
+                if reason is None:
+                    continue
+                prompt_len = len(request.prompt_token_ids)
+                stream.push(
+                    RequestOutput(request.request_id, [], detok.flush(), True, reason, prompt_len)
+                )
+                if _server_finished(chunk):
+                    async for _ in chunks:  # only `[DONE]` is left
+                        pass
+                return
         raise EngineUnavailableError(f"the vLLM server at {replica.url} ended the stream early")
 
     def _on_unavailable(self, replica: Replica, exc: CloraError, lease: Lease) -> None:

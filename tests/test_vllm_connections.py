@@ -1,0 +1,173 @@
+"""The vLLM engine keeps one keep-alive connection per server instead of one per request.
+
+A streamed completion used to be dropped at vLLM's finish chunk (or at
+`[DONE]`), before the body's end: httpx then closes the connection, so every
+request opened a new one and vLLM saw every client leave. The engine now reads
+a finished stream to its end after the final output went out, and still closes
+at once a stream it stops itself (a stop string), which is what makes vLLM stop.
+
+The first test runs on real sockets (a small vLLM stand-in on uvicorn, whose
+answers are the shapes the real server sends) and counts the client ports
+vLLM saw; the second watches how far the engine reads each stream
+(`httpx.MockTransport`). No timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from transformers import AutoTokenizer
+
+from clora_feedback.config import EngineConfig
+from clora_feedback.engine.types import GenerationRequest, SamplingParams
+from clora_feedback.engine.vllm import VLLMEngine
+
+
+def _models() -> dict[str, Any]:
+    entry = {"id": "tiny", "root": "/elsewhere", "parent": None, "max_model_len": 512}
+    return {"data": [entry]}
+
+
+def _probe(temperature: float) -> dict[str, Any]:
+    """The logprobs probe's answer of a server in `processed_logprobs` mode."""
+    logits = [2.0 / temperature, 1.0 / temperature, 0.0]
+    norm = math.log(sum(math.exp(x) for x in logits))
+    top = {f"token_id:{i}": x - norm for i, x in enumerate(logits)}
+    return {"choices": [{"logprobs": {"top_logprobs": [top]}}]}
+
+
+def _chunk(token_ids: list[int], finish: str | None) -> str:
+    logprobs = {"token_logprobs": [-0.5] * len(token_ids), "top_logprobs": [None] * len(token_ids)}
+    choice = {"index": 0, "token_ids": token_ids, "finish_reason": finish, "logprobs": logprobs}
+    return f"data: {json.dumps({'choices': [choice]})}\n\n"
+
+
+def _engine(model_dir: Path, url: str, transport: httpx.AsyncBaseTransport | None = None) -> Any:
+    config = EngineConfig(kind="vllm", vllm={"urls": [url]}, max_model_len=512)
+    return VLLMEngine(model_dir, config, model_name="t", transport=transport)
+
+
+@pytest.fixture
+def vllm_stand_in(tiny_model_dir: Path) -> Iterator[tuple[str, list[int]]]:
+    """A vLLM stand-in on a real socket; yields its URL and the client port of each
+    streamed completion it served."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ports: list[int] = []
+
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        if not body.get("stream"):
+            return JSONResponse(_probe(body["temperature"]))
+        assert request.client is not None
+        ports.append(request.client.port)
+
+        async def events() -> AsyncIterator[str]:
+            yield _chunk([65], None)
+            yield _chunk([66], "length")
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def tokenize(request: Request) -> Response:
+        prompt = (await request.json())["prompt"]
+        return JSONResponse({"tokens": tokenizer.encode(prompt, add_special_tokens=False)})
+
+    app = Starlette(
+        routes=[
+            Route("/health", lambda request: Response(status_code=200)),
+            Route("/metrics", lambda request: Response(status_code=404)),
+            Route("/v1/models", lambda request: JSONResponse(_models())),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(1000):  # a guard against a hang, not a timing
+        if server.started:
+            break
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", ports
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+async def test_sequential_requests_reuse_one_connection(
+    tiny_model_dir: Path, vllm_stand_in: tuple[str, list[int]]
+) -> None:
+    url, ports = vllm_stand_in
+    engine = _engine(tiny_model_dir, url)
+    await engine.start()
+    try:
+        for i in range(4):
+            request = GenerationRequest(f"r{i}", None, [70, 71], SamplingParams(max_tokens=2))
+            chunks = [c async for c in engine.add_request(request)]
+            assert [t.token_id for c in chunks for t in c.tokens] == [65, 66]
+            assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    finally:
+        await engine.stop()
+    assert len(ports) == 4 and len(set(ports)) == 1, ports
+
+
+async def test_a_finished_stream_is_read_to_its_end_and_a_stream_stopped_here_is_closed(
+    tiny_model_dir: Path,
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ab = list(tokenizer.encode("ab", add_special_tokens=False))
+    resumed: dict[int, int] = {}  # per prompt: how many of its 3 events the reader went past
+
+    async def events(key: int) -> AsyncIterator[bytes]:
+        resumed[key] = 0
+        for event in (_chunk(ab, None), _chunk(ab, "length"), "data: [DONE]\n\n"):
+            yield event.encode()
+            resumed[key] += 1  # runs only when the reader asks for more
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/metrics":
+            return httpx.Response(404)
+        if path == "/v1/models":
+            return httpx.Response(200, json=_models())
+        body = json.loads(request.content)
+        if path == "/tokenize":
+            ids = tokenizer.encode(body["prompt"], add_special_tokens=False)
+            return httpx.Response(200, json={"tokens": ids})
+        if not body.get("stream"):
+            return httpx.Response(200, json=_probe(body["temperature"]))
+        return httpx.Response(200, content=events(body["prompt"][0]))
+
+    engine = _engine(tiny_model_dir, "http://vllm.test", httpx.MockTransport(handler))
+    await engine.start()
+    try:
+        finished = GenerationRequest("full", None, [70], SamplingParams(max_tokens=4))
+        chunks = [c async for c in engine.add_request(finished)]
+        assert chunks[-1].finish_reason == "length"
+        stopped = GenerationRequest("cut", None, [71], SamplingParams(max_tokens=4, stop=("b",)))
+        chunks = [c async for c in engine.add_request(stopped)]
+        assert chunks[-1].finish_reason == "stop" and "".join(c.text for c in chunks) == "a"
+    finally:
+        await engine.stop()
+    assert resumed[70] == 3  # past `[DONE]`: the body's end was read
+    assert resumed[71] == 0  # closed at the first chunk: vLLM is told to stop
