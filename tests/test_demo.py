@@ -17,7 +17,12 @@ import pytest
 
 from clora_feedback.bench import experiments as bench
 from clora_feedback.demo import arithmetic, coding, support
-from clora_feedback.demo.experiment import AgentRun, StepRecord
+from clora_feedback.demo.experiment import (
+    AgentRun,
+    ExperimentConfig,
+    RolloutCalibration,
+    StepRecord,
+)
 from clora_feedback.demo.plots import moving_average
 from clora_feedback.demo.workloads import (
     CodingWorkload,
@@ -258,5 +263,46 @@ def test_c_lora_row_compares_makespans_and_completion_times() -> None:
     assert row["first_done_s"] == 12.0 and row["serial_first_done_s"] == 10.0
     assert row["mean_experiment_s"] == 13.5 and row["serial_mean_experiment_s"] == 15.0
     assert row["reward_mean"] == 0.5 and math.isclose(row["reward_std"], math.sqrt(0.5))
-    assert "| 2 | 1.25x |" in bench.table([row])
+    assert "| 2 | 1.25x | - | - | - |" in bench.table([row])  # no calibration: no bound
     assert SimpleNamespace(**row).n == 2
+
+
+def test_ideal_concurrent_time_multiplexes_rollouts_and_serializes_training() -> None:
+    # C + K * (m(N) * R + N * T): 5 + 3 * (2.5 * 10 + 8 * 12)
+    assert bench.ideal_concurrent_s(8, 3, 10.0, 12.0, 2.5, 5.0) == pytest.approx(368.0)
+    # One tenant, no batching gain: exactly one serial experiment, C + K * (R + T).
+    assert bench.ideal_concurrent_s(1, 3, 10.0, 12.0, 1.0, 5.0) == pytest.approx(71.0)
+
+
+def test_c_lora_row_reports_the_bound_and_the_fraction_of_it() -> None:
+    serial = [(_run(i, 0, 10, 1.0), 10.0) for i in range(2)]  # R=2, T=3, step 5, wall 10
+    concurrent = [_run(0, 100, 112, 1.0), _run(1, 100, 115, 0.0)]
+    calibration = RolloutCalibration(2, one_s=4.0, together_s=6.0, wall_s=11.0)
+    row = bench.summarize(2, concurrent, 100.0, 16.0, serial, calibration)
+    costs = bench.serial_costs(serial)
+    assert costs == {"rollout_s": 2.0, "train_s": 3.0, "overhead_s": 5.0, "steps": 1.0}
+    assert row["multiplier"] == 1.5
+    ideal = 5.0 + 1 * (1.5 * 2.0 + 2 * 3.0)  # 14 s
+    assert row["ideal_s"] == pytest.approx(ideal)
+    assert row["bound"] == pytest.approx(20.0 / ideal)
+    assert row["of_bound"] == pytest.approx(ideal / 16.0)
+    assert row["speedup"] == pytest.approx(row["bound"] * row["of_bound"])
+    assert "| 2 | 1.25x | 1.43x | 88% | 1.50 |" in bench.table([row])
+    checks = bench.goals([row])
+    assert any("88%" in c and "not met" in c for c in checks), checks
+
+
+def test_c_lora_row_estimates_serial_figures_from_fewer_runs() -> None:
+    serial = [(_run(0, 0, 10, 1.0), 10.0), (_run(1, 0, 10, 1.0), 12.0)]
+    concurrent = [_run(i, 100, 110 + i, 1.0) for i in range(4)]
+    row = bench.summarize(4, concurrent, 100.0, 20.0, serial)
+    assert row["serial_estimated"] and row["serial_runs"] == 2
+    assert row["serial_makespan_s"] == pytest.approx(44.0)  # 4 x mean(10, 12)
+    assert row["serial_mean_experiment_s"] == pytest.approx(11.0 * (1 + 2 + 3 + 4) / 4)
+    assert "| 4 | ~2.20x |" in bench.table([row])
+
+
+def test_experiment_schedule_is_checked() -> None:
+    assert ExperimentConfig(schedule="lockstep").schedule == "lockstep"
+    with pytest.raises(ValueError, match="schedule"):
+        ExperimentConfig(schedule="eventually")

@@ -55,9 +55,9 @@ def test_c_lora_experiment_runs_serial_and_concurrent(tiny_model_dir: Path, tmp_
     from clora_feedback.bench.experiments import run
 
     out = tmp_path / "experiments"
-    argv = ["--ns", "1,2", "--steps", "1", "--tasks-per-step", "1", "--threads", "1"]
+    argv = ["--ns", "1,2", "--steps", "2", "--tasks-per-step", "1", "--threads", "1"]
     argv += ["--model", str(tiny_model_dir), "--max-model-len", "2048", "--out", str(out)]
-    argv += ["--work", str(tmp_path / "work")]
+    argv += ["--work", str(tmp_path / "work"), "--schedule", "lockstep"]
     assert run(argv) == 0
     record = json.loads(out.with_suffix(".json").read_text())
     assert [r["n"] for r in record["rows"]] == [1, 2]
@@ -65,7 +65,14 @@ def test_c_lora_experiment_runs_serial_and_concurrent(tiny_model_dir: Path, tmp_
     for row in record["rows"]:
         assert row["speedup"] > 0 and row["step_s"] > 0 and row["rollout_s"] > 0
         assert row["serial_makespan_s"] == pytest.approx(sum(record["serial_walls_s"][: row["n"]]))
+        assert row["calibration"]["n"] == row["n"] and row["calibration"]["one_s"] > 0
+        assert row["bound"] == pytest.approx(row["serial_makespan_s"] / row["ideal_s"])
+        assert row["of_bound"] == pytest.approx(row["ideal_s"] / row["concurrent_makespan_s"])
     assert "| 2 |" in out.with_suffix(".md").read_text()
+    # Lockstep: no agent starts step 2 before every agent's step 1 is live.
+    runs = json.loads((tmp_path / "work" / "concurrent-2.json").read_text())["runs"]
+    first, second = ([r["steps"][k] for r in runs] for k in (0, 1))
+    assert min(s["started_at"] for s in second) >= max(s["ended_at"] for s in first)
 
 
 @pytest.mark.slow

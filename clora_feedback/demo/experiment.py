@@ -21,7 +21,15 @@ Two ways to run several experiments (`seeds`):
   start: model load, engine warm-up), single-tenant;
 - `run_concurrent`: all at once, one agent per seed, on one warm service
   whose trainer takes turns between the agents (or batches them, with
-  `batched_agents`).
+  `batched_agents`). `schedule` says when an agent starts its next step:
+  `independent`, as soon as its own version is live; `lockstep`, once every
+  agent's previous step is live (a barrier), so every step's rollouts of all
+  N agents share the engine's decode batches and the trainer then has all N
+  batches back to back, with no rollout competing for the cores.
+
+`calibrate_rollouts` measures the batch efficiency of multiplexed rollouts
+on a warm service: one step's rollouts of N agents together against one
+agent's alone (the bound of `clora_feedback.bench.experiments` uses it).
 
 Not here: the workloads (`workloads`), tables and plots (`report`).
 """
@@ -54,6 +62,8 @@ from clora_feedback.demo.workloads import WORKLOADS, Episode, Sampling, Workload
 
 log = logging.getLogger(__name__)
 
+SCHEDULES = ("independent", "lockstep")
+
 
 @dataclass(frozen=True)
 class ExperimentConfig:
@@ -79,6 +89,11 @@ class ExperimentConfig:
         num_threads: torch threads (None: all cores).
         vllm_urls: serve on these vLLM servers (`engine.kind: vllm`) instead of the embedded
             engine; the trainer then trains on its own copy of the base model.
+        schedule: concurrent runs only: `independent` (each agent steps on as soon as its
+            version is live) or `lockstep` (every step starts once all agents' previous
+            steps are live).
+        trainer_nice: how much lower the trainer thread's CPU priority is than serving's
+            (`TrainerConfig.nice`; None: the service's default).
     """
 
     workload: str = "support"
@@ -99,6 +114,12 @@ class ExperimentConfig:
     max_model_len: int = 768
     num_threads: int | None = None
     vllm_urls: tuple[str, ...] = ()
+    schedule: str = "independent"
+    trainer_nice: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
 
     def workload_instance(self) -> Workload:
         cls = WORKLOADS[self.workload]
@@ -109,7 +130,9 @@ class ExperimentConfig:
 
 @dataclass
 class StepRecord:
-    """One optimizer step of one agent, as the experiment saw it (seconds are wall time)."""
+    """One optimizer step of one agent, as the experiment saw it (seconds are wall time;
+    `started_at`/`ended_at` are `time.time()` stamps of the rollout's start and the
+    version going live)."""
 
     step: int
     reward: float
@@ -120,6 +143,8 @@ class StepRecord:
     train_s: float
     step_s: float
     trainer_step_s: float | None = None
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -196,6 +221,7 @@ def service_settings(
             trigger_interval_s=1e9,
             poll_interval_s=0.05,
             batched_agents=cfg.batched_agents,
+            **({} if cfg.trainer_nice is None else {"nice": cfg.trainer_nice}),
             seed=0,
             guard=GuardConfig(enabled=False),
         ),
@@ -246,8 +272,14 @@ async def run_agent(
     *,
     mode: str,
     on_step: Callable[[str, StepRecord], None] | None = None,
+    barrier: asyncio.Barrier | None = None,
 ) -> AgentRun:
-    """Run one experiment for `agent` against a started service."""
+    """Run one experiment for `agent` against a started service.
+
+    With a `barrier` (lockstep), each step starts only when every party has
+    finished its previous step; a failure breaks the barrier, so the other
+    parties fail too instead of waiting forever.
+    """
     from openai import AsyncOpenAI
 
     from clora_feedback.client import AsyncFeedbackClient
@@ -266,10 +298,11 @@ async def run_agent(
         run.eval_before = await evaluate(client, agent, workload, held_out)
         run.evals.append((0, run.eval_before))
         for step in range(cfg.steps):
+            if barrier is not None:
+                await barrier.wait()
             record = await _one_step(
                 client, feedback, registry, agent, workload, cfg, rng, pool, seed, step
             )
-            record.trainer_step_s = _trainer_step_s(trainer, agent, record.version)
             run.steps.append(record)
             if on_step is not None:
                 on_step(agent, record)
@@ -278,6 +311,12 @@ async def run_agent(
                 run.evals.append((done, await evaluate(client, agent, workload, held_out)))
         run.eval_after = await evaluate(client, agent, workload, held_out)
         run.evals.append((cfg.steps, run.eval_after))
+        for record in run.steps:
+            record.trainer_step_s = await _trainer_step_s(trainer, agent, record.step)
+    except BaseException:
+        if barrier is not None:
+            await barrier.abort()
+        raise
     finally:
         await feedback.aclose()
         await client.close()
@@ -297,12 +336,9 @@ async def _one_step(
     seed: int,
     step: int,
 ) -> StepRecord:
+    started_at = time.time()
     t0 = time.perf_counter()
-    tasks = rng.sample(pool, cfg.tasks_per_step)
-    jobs = [
-        (task, Sampling(cfg.temperature, cfg.top_p, episode_seed(seed, step, i)))
-        for i, (task, _) in enumerate((t, k) for t in tasks for k in range(cfg.samples_per_task))
-    ]
+    jobs = step_jobs(cfg, rng, pool, seed, step)
     episodes: list[Episode] = await asyncio.gather(
         *(workload.run_episode(client, agent, task, sampling) for task, sampling in jobs)
     )
@@ -313,6 +349,7 @@ async def _one_step(
     await feedback.send(events)
     version = await _wait_for_version(registry, agent, step + 1, timeout_s=3600)
     t_done = time.perf_counter()
+    ended_at = time.time()
     return StepRecord(
         step=step + 1,
         reward=sum(e.reward for e in episodes) / len(episodes),
@@ -322,18 +359,96 @@ async def _one_step(
         rollout_s=t_rollout - t0,
         train_s=t_done - t_rollout,
         step_s=t_done - t0,
+        started_at=started_at,
+        ended_at=ended_at,
     )
 
 
-def _trainer_step_s(trainer: Any, agent: str, version: int) -> float | None:
-    """The trainer's own step time (swap + forward/backward + optimizer) for that version."""
-    for result in reversed(trainer.history):
-        if result.agent == agent:
-            return float(result.step_s)
-    return None
+def step_jobs(
+    cfg: ExperimentConfig, rng: random.Random, pool: list[Any], seed: int, step: int
+) -> list[tuple[Any, Sampling]]:
+    """One step's episodes of one experiment: (task, sampling), `rng` advanced by one step."""
+    tasks = rng.sample(pool, cfg.tasks_per_step)
+    return [
+        (task, Sampling(cfg.temperature, cfg.top_p, episode_seed(seed, step, i)))
+        for i, (task, _) in enumerate((t, k) for t in tasks for k in range(cfg.samples_per_task))
+    ]
+
+
+async def _trainer_step_s(
+    trainer: Any, agent: str, step: int, *, wait_s: float = 2.0
+) -> float | None:
+    """The trainer's own time (swap + forward/backward + optimizer) for the agent's `step`-th
+    optimizer step (a fresh agent's step k is the experiment's step k).
+
+    The trainer files a step's result only after the publishes of its pass, just after
+    the version went live, so the last step's may need a moment; None if it never comes.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        for result in reversed(trainer.history):
+            if result.agent == agent and result.step == step:
+                return float(result.step_s)
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.05)
 
 
 # -- several experiments -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RolloutCalibration:
+    """One step's rollouts on a warm service: the first agent alone, then all N together.
+
+    Attributes:
+        n: agents together.
+        one_s: wall time of the first agent's rollouts alone.
+        together_s: wall time of all N agents' rollouts at once (`one_s` when N = 1).
+        wall_s: the whole calibration (to leave out of a makespan).
+    """
+
+    n: int
+    one_s: float
+    together_s: float
+    wall_s: float
+
+    @property
+    def multiplier(self) -> float:
+        """Rollout time of N agents together over one agent's (1 = free, N = no batching)."""
+        return self.together_s / self.one_s
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self) | {"multiplier": self.multiplier}
+
+
+async def calibrate_rollouts(
+    server: LocalServer, agents: list[str], seeds: list[int], cfg: ExperimentConfig
+) -> RolloutCalibration:
+    """Replay each experiment's first-step rollouts (same tasks, same sampling seeds) with
+    the agents' current adapters, first agent alone then all at once; no feedback is sent,
+    so nothing is trained."""
+    from openai import AsyncOpenAI
+
+    workload = cfg.workload_instance()
+    client = AsyncOpenAI(base_url=server.base_url, api_key="demo", max_retries=2, timeout=3600)
+
+    async def rollouts(agent: str, seed: int) -> None:
+        rng = random.Random(f"experiment/{seed}")  # as `run_agent` draws step 1
+        jobs = step_jobs(cfg, rng, workload.tasks(seed, "train", cfg.train_pool), seed, 0)
+        await asyncio.gather(*(workload.run_episode(client, agent, t, sp) for t, sp in jobs))
+
+    t0 = time.perf_counter()
+    try:
+        await rollouts(agents[0], seeds[0])
+        t1 = time.perf_counter()
+        if len(agents) > 1:
+            await asyncio.gather(*(rollouts(a, s) for a, s in zip(agents, seeds, strict=True)))
+        t2 = time.perf_counter()
+    finally:
+        await client.close()
+    together = t2 - t1 if len(agents) > 1 else t1 - t0
+    return RolloutCalibration(len(agents), t1 - t0, together, time.perf_counter() - t0)
 
 
 def run_concurrent(
@@ -345,6 +460,32 @@ def run_concurrent(
     on_step: Callable[[str, StepRecord], None] | None = None,
 ) -> list[AgentRun]:
     """All seeds at once on one warm service, one agent per seed."""
+    return _concurrent(model_dir, work_dir, cfg, seeds, on_step, calibrate=False)[0]
+
+
+def run_concurrent_calibrated(
+    model_dir: Path,
+    work_dir: Path,
+    cfg: ExperimentConfig,
+    seeds: list[int],
+    *,
+    on_step: Callable[[str, StepRecord], None] | None = None,
+) -> tuple[list[AgentRun], RolloutCalibration]:
+    """`run_concurrent`, then `calibrate_rollouts` on the same warm service."""
+    runs, calibration = _concurrent(model_dir, work_dir, cfg, seeds, on_step, calibrate=True)
+    assert calibration is not None
+    return runs, calibration
+
+
+def _concurrent(
+    model_dir: Path,
+    work_dir: Path,
+    cfg: ExperimentConfig,
+    seeds: list[int],
+    on_step: Callable[[str, StepRecord], None] | None,
+    *,
+    calibrate: bool,
+) -> tuple[list[AgentRun], RolloutCalibration | None]:
     from clora_feedback.service import build_service
 
     release_freed_memory()
@@ -354,20 +495,25 @@ def run_concurrent(
     with LocalServer(service) as server:
         cold = time.time() - t0
 
-        async def all_agents() -> list[AgentRun]:
-            return list(
-                await asyncio.gather(
-                    *(
-                        run_agent(server, a, cfg, s, mode="concurrent", on_step=on_step)
-                        for a, s in zip(agents, seeds, strict=True)
+        async def all_agents() -> tuple[list[AgentRun], RolloutCalibration | None]:
+            barrier = asyncio.Barrier(len(agents)) if cfg.schedule == "lockstep" else None
+            runs = await asyncio.gather(
+                *(
+                    run_agent(
+                        server, a, cfg, s, mode="concurrent", on_step=on_step, barrier=barrier
                     )
+                    for a, s in zip(agents, seeds, strict=True)
                 )
             )
+            calibration = (
+                await calibrate_rollouts(server, agents, seeds, cfg) if calibrate else None
+            )
+            return list(runs), calibration
 
-        runs = asyncio.run(all_agents())
+        runs, calibration = asyncio.run(all_agents())
     for run in runs:
         run.cold_start_s = cold
-    return runs
+    return runs, calibration
 
 
 def run_single(
