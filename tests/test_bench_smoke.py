@@ -39,7 +39,7 @@ def test_train_quick_runs_every_measurement(
     assert train.run(["--quick", "--json", str(tmp_path / "train.json")]) == 0
     table = _table(capsys.readouterr().out)
     loads = [f"5{x}-{m}" for x in "abc" for m in ("arch", "total")]
-    _check_shape(table, ["1", "2", "2b", "3", "3b", "3c", "4", "4b", "6", *loads])
+    _check_shape(table, ["1", "2", "2b", "3", "3b", "3c", "4", "4b", "6", "7", *loads])
     raw = json.loads((tmp_path / "train.json").read_text())
     for tenancy in (raw["tenancy"], raw["small"]):
         assert len(tenancy["batched_s"]) == len(tenancy["serial_s"]) == 1

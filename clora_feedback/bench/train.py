@@ -15,6 +15,12 @@
 6. Shared prompt prefix: one swap step over samples that share a long
    prompt prefix (a system prompt, tool schemas), with the prefix computed
    once per agent (`train.forward.shared_prefix_len`) against once per row.
+7. Roofline: FLOPs of row 1's swap step from the model shape and tokens
+   (`bench.precision.training_flops`), achieved GFLOP/s against this machine's
+   GEMM rate in the compute dtype, measured in the same run.
+
+`--compute-dtype` sets the trainer's compute dtype for rows 1, 4, 6 and 7
+(`trainer.compute_dtype`); `clora bench precision` compares the two.
 
 Timing runs on a possibly shared CPU: compared variants alternate and the
 table reports medians. `--quick` runs everything on a tiny random model in
@@ -38,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from clora_feedback.bench import OMP_WAIT_POLICIES
+from clora_feedback.bench.precision import gemm_gflops, training_flops
 from clora_feedback.bench.publish import (
     PUBLISHER,
     Interference,
@@ -71,8 +78,9 @@ from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import TrajectoryStore
+from clora_feedback.train.forward import PackedBatch
 from clora_feedback.train.loss import LossConfig
-from clora_feedback.train.policy import DecoderPolicy
+from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
 from clora_feedback.train.state import (
     AdamConfig,
     AgentTrainState,
@@ -106,13 +114,16 @@ class Tenancy:
     serial_s: list[float] = field(default_factory=list)
     swap_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    step_flops: float = 0.0  # one agent's swap step (`training_flops`)
 
 
 def measure_tenancy(
-    engine: EmbeddedEngine, shape: Shape, *, agents: int, rank: int, reps: int, seed: int
-) -> Tenancy:
+    engine: EmbeddedEngine, shape: Shape, *, agents: int, rank: int, reps: int, seed: int,
+    compute_dtype: str = "float32",
+) -> Tenancy:  # fmt: skip
     """Alternate one batched step over all agents with serial swap steps over the same batches."""
-    policy = DecoderPolicy.shared_with(engine)  # the trainer's own seam, on the engine's tensors
+    # The trainer's own seam, on the engine's tensors (a cast copy in another compute dtype).
+    policy = DecoderPolicy.shared_with(engine, compute_dtype=COMPUTE_DTYPES[compute_dtype])
     limits = policy.lora_limits
     layout = LoRALayout.build(limits, rank, 2.0 * rank, tuple(limits.target_modules))
     rng = random.Random(seed)
@@ -126,7 +137,14 @@ def measure_tenancy(
     ]
     slots = [TrainingSlot(layout.numel, policy.device) for _ in batches]
     loss, adam = LossConfig(), AdamConfig()
-    out = Tenancy(str(shape))
+    first = [(p.prompt_ids, p.completion_ids) for p in batches[0].pg]
+    flops = training_flops(
+        policy.base.config,
+        PackedBatch.build(first),
+        rank=rank,
+        targets=sum(len(c) for _, c in first),
+    )
+    out = Tenancy(str(shape), step_flops=flops)
 
     def batched() -> float:
         t0 = time.perf_counter()
@@ -163,12 +181,12 @@ class PrefixSharing:
 
 def measure_prefix_sharing(
     engine: EmbeddedEngine, *, samples: int, prefix: int, own: int, completion: int, rank: int,
-    reps: int, seed: int,
+    reps: int, seed: int, compute_dtype: str = "float32",
 ) -> PrefixSharing:  # fmt: skip
     """Alternate steps with the shared prefix computed once and (forced) once per row."""
     import clora_feedback.train.forward as forward
 
-    policy = DecoderPolicy.shared_with(engine)
+    policy = DecoderPolicy.shared_with(engine, compute_dtype=COMPUTE_DTYPES[compute_dtype])
     limits = policy.lora_limits
     layout = LoRALayout.build(limits, rank, 2.0 * rank, tuple(limits.target_modules))
     rng = random.Random(seed)
@@ -207,6 +225,7 @@ class Figures:
     tenancy: Tenancy
     small: Tenancy
     prefix: PrefixSharing
+    gemm_gflops: float
     publish: PublishLatency
     interference: Interference
     staleness: list[dict[str, Any]]
@@ -378,8 +397,24 @@ def rows(args: argparse.Namespace, f: Figures) -> list[Row]:
         _tenancy_row("4", f.tenancy, args.agents),
         _tenancy_row("4b", f.small, args.agents),
         _prefix_row(f.prefix),
+        _roofline_row(args, f),
         *_staleness_rows(f.staleness),
     ]
+
+
+def _roofline_row(args: argparse.Namespace, f: Figures) -> Row:
+    t = f.tenancy
+    gflop, seconds = t.step_flops / 1e9, median(t.step_s)
+    achieved = gflop / seconds
+    return Row(
+        "7",
+        f"roofline: row 1's swap step, {gflop:.1f} GFLOP (model shape and tokens), "
+        f"{args.compute_dtype} compute; against the GEMM rate measured in this run "
+        f"(x[512, hidden] @ W[intermediate, hidden]^T)",
+        f"{achieved:.1f} GFLOP/s",
+        f"GEMM {f.gemm_gflops:.1f} GFLOP/s",
+        f"{achieved / f.gemm_gflops:.0%}",
+    )
 
 
 # -- entry -----------------------------------------------------------------------------------
@@ -400,6 +435,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--window-s", type=float, help="interference window (default 4; quick 0.3)")
     p.add_argument("--publish-interval-ms", type=float, help="default 1000; quick 50")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--compute-dtype",
+        default="float32",
+        choices=tuple(COMPUTE_DTYPES),
+        help="the trainer's compute dtype (trainer.compute_dtype; default float32)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     p.add_argument(
@@ -460,8 +501,13 @@ async def measure(args: argparse.Namespace) -> Figures:
         try:
             common = {"agents": args.agents, "rank": args.rank, "seed": args.seed}
             shape = Shape(args.samples, args.prompt_tokens, args.completion_tokens)
-            tenancy = measure_tenancy(engine, shape, reps=args.train_reps, **common)
-            small = measure_tenancy(engine, args.small_shape, reps=args.train_reps, **common)
+            dtype = args.compute_dtype
+            tenancy = measure_tenancy(
+                engine, shape, reps=args.train_reps, compute_dtype=dtype, **common
+            )
+            small = measure_tenancy(
+                engine, args.small_shape, reps=args.train_reps, compute_dtype=dtype, **common
+            )
             prefix = measure_prefix_sharing(
                 engine,
                 samples=8,
@@ -471,6 +517,11 @@ async def measure(args: argparse.Namespace) -> Figures:
                 rank=args.rank,
                 reps=args.train_reps,
                 seed=args.seed + 3,
+                compute_dtype=args.compute_dtype,
+            )
+            cfg = engine.base_weights.config
+            gemm = gemm_gflops(
+                512, cfg.hidden_size, cfg.intermediate_size, COMPUTE_DTYPES[args.compute_dtype], 3
             )
             weights = random_lora_weights(
                 engine.lora_limits, rank=args.rank, alpha=2.0 * args.rank, seed=1, std=0.01
@@ -514,7 +565,7 @@ async def measure(args: argparse.Namespace) -> Figures:
             feedback.close()
             registry.close()
     _progress("staleness simulation")
-    return Figures(tenancy, small, prefix, publish, interference, measure_staleness(args))
+    return Figures(tenancy, small, prefix, gemm, publish, interference, measure_staleness(args))
 
 
 def run(argv: list[str]) -> int:

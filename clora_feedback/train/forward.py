@@ -12,6 +12,14 @@ adapter, so no row gathers (or, backwards, scatters) a copy of its weights.
 With `lora=None` the adapter is disabled and the pass computes the base
 model: the reference policy for the KL term, with no second model in memory.
 
+Precision: the pass computes in the base weights' dtype (the trainer's
+compute dtype, see `policy`). In bf16 the activations and the base GEMMs are
+bf16, each LoRA factor is cast from its fp32 master at each use (so its
+gradient comes back through the cast and accumulates in fp32), and the final
+norm, the vocabulary projection and the log-softmax run in fp32 on an fp32
+copy of the head (`head`): a bf16 logit of magnitude 20 is only good to
+0.06, which an importance ratio would see as noise.
+
 Not here: losses, optimizer, batching policy.
 """
 
@@ -29,9 +37,9 @@ from clora_feedback.model.decoder import (
     LoRAUpdate,
     attention_inputs,
     attention_output,
-    final_norm,
     gather_logprobs,
     mlp_block,
+    rms_norm,
 )
 from clora_feedback.train.state import LoRALayout
 
@@ -176,7 +184,12 @@ def shared_prefix_len(batch: PackedBatch) -> int:
     return length if length >= MIN_SHARED_PREFIX else 0
 
 
-def token_logprobs(base: BaseWeights, batch: PackedBatch, lora: TrainLoRA | None) -> torch.Tensor:
+def token_logprobs(
+    base: BaseWeights,
+    batch: PackedBatch,
+    lora: TrainLoRA | None,
+    head: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Log-probabilities of the scored next tokens.
 
     When all rows share a prompt prefix (`shared_prefix_len`), it is computed
@@ -186,13 +199,44 @@ def token_logprobs(base: BaseWeights, batch: PackedBatch, lora: TrainLoRA | None
     contributions through the shared tensors), for a fraction of the compute.
 
     Args:
-        base: the frozen base weights (read, never written).
+        base: the frozen base weights (read, never written); their dtype is the compute dtype.
         batch: packed sequences.
         lora: trainable adapters, or None for the base model (reference policy).
+        head: the fp32 vocabulary projection [V, hidden] when `base` is not fp32
+            (default: `base.lm_head` cast per call).
 
     Returns:
         [N] fp32 logprobs of `batch.targets[batch.mask]`, in row-major order.
     """
+    scored, targets = scored_hidden(base, batch, lora)
+    return gather_logprobs(scored, _fp32_head(base, head), targets)
+
+
+def next_token_logprobs(
+    base: BaseWeights,
+    batch: PackedBatch,
+    lora: TrainLoRA | None,
+    head: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[N, V] fp32 log-softmax over the vocabulary at each scored position (a rollout's
+    sampling distribution: score one dummy token after each prompt). Same arguments as
+    `token_logprobs`."""
+    scored, _ = scored_hidden(base, batch, lora)
+    logits = scored @ _fp32_head(base, head).t()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _fp32_head(base: BaseWeights, head: torch.Tensor | None) -> torch.Tensor:
+    if head is not None:
+        return head
+    return base.lm_head if base.lm_head.dtype == torch.float32 else base.lm_head.float()
+
+
+def scored_hidden(
+    base: BaseWeights, batch: PackedBatch, lora: TrainLoRA | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 final-norm hidden states [N, hidden] of the scored positions and their
+    [N] targets (the pass of `token_logprobs` before the vocabulary projection)."""
     ids = batch.input_ids.to(base.device)
     b, t = ids.shape
     runs = lora.runs if lora is not None else [(0, 0, b)]
@@ -231,9 +275,10 @@ def token_logprobs(base: BaseWeights, batch: PackedBatch, lora: TrainLoRA | None
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         h = mlp_block(base, i, attention_output(base, i, h, attn, rows_lora), rows_lora)
     mask = batch.mask[:, prefix:].to(base.device)
-    scored = final_norm(base, h[mask])  # [N, hidden]
+    # The last norm in fp32 (weights and output): the head and the log-softmax read it.
+    scored = rms_norm(h[mask].float(), base.final_norm.float(), base.config.rms_norm_eps)
     targets = batch.targets[:, prefix:].to(base.device)[mask]
-    return gather_logprobs(scored, base.lm_head, targets)
+    return scored, targets
 
 
 def _bind(

@@ -13,12 +13,20 @@ composition root picks how it gets its base weights:
 - `DecoderPolicy.from_dir(model_dir, ...)`: its own copy, for a trainer beside
   any other engine or in a process of its own.
 
+Compute dtype (`trainer.compute_dtype`): the forward/backward runs in the
+dtype of the policy's base weights. When the engine serves in another dtype,
+`shared_with` makes the trainer its own cast copy (the one case where sharing
+gives way). Whatever the compute dtype, the trainable LoRA masters, their
+gradients and the Adam moments stay fp32 (see `state`), and the head and the
+log-softmax run in fp32 (see `forward`).
+
 Not here: losses and the optimizer (see `step`), the serving engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +36,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.model.base import BaseWeights
 from clora_feedback.train.forward import PackedBatch, TrainLoRA, token_logprobs
+
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Names of `trainer.compute_dtype` and the torch dtypes they select."""
 
 
 class ModelFacts(Protocol):
@@ -86,16 +97,29 @@ class DecoderPolicy:
     lora_limits: LoRALimits
     model_name: str
     max_model_len: int
+    _head: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The fp32 vocabulary projection the log-softmax reads, made once (bf16 compute only).
+        if self.base.lm_head.dtype != torch.float32:
+            object.__setattr__(self, "_head", self.base.lm_head.float())
 
     @classmethod
-    def shared_with(cls, source: SharesBaseWeights) -> DecoderPolicy:
+    def shared_with(
+        cls, source: SharesBaseWeights, *, compute_dtype: torch.dtype | None = None
+    ) -> DecoderPolicy:
         """A policy on the very tensors `source` (e.g. the embedded engine) already holds.
 
-        No copy is made: the trainer reads the base weights the engine serves
-        from, and trains adapters that fit the engine's limits.
+        No copy is made when `compute_dtype` is None or the engine's dtype: the
+        trainer reads the base weights the engine serves from, and trains
+        adapters that fit the engine's limits. Another `compute_dtype` gets a
+        cast copy of the base (e.g. bf16 training beside an fp32 engine).
         """
+        base = source.base_weights
+        if compute_dtype is not None and compute_dtype != base.dtype:
+            base = cast_base(base, compute_dtype)
         return cls(
-            source.base_weights,
+            base,
             source.tokenizer,
             source.lora_limits,
             source.model_name,
@@ -129,5 +153,31 @@ class DecoderPolicy:
     def device(self) -> torch.device:
         return self.base.device
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the base GEMMs and activations (masters and moments are fp32)."""
+        return self.base.dtype
+
+    @property
+    def head(self) -> torch.Tensor:
+        """The fp32 [V, hidden] vocabulary projection the log-softmax reads."""
+        return self._head if self._head is not None else self.base.lm_head
+
     def token_logprobs(self, batch: PackedBatch, lora: TrainLoRA | None) -> torch.Tensor:
-        return token_logprobs(self.base, batch, lora)
+        return token_logprobs(self.base, batch, lora, self.head)
+
+
+def cast_base(base: BaseWeights, dtype: torch.dtype) -> BaseWeights:
+    """A copy of `base` with every tensor in `dtype` (the tied head stays tied)."""
+    out = copy.copy(base)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).contiguous()
+
+    out.dtype = dtype
+    out.embed = cast(base.embed)
+    out.lm_head = out.embed if base.lm_head is base.embed else cast(base.lm_head)
+    out.final_norm = cast(base.final_norm)
+    out.layers = [{k: cast(v) for k, v in layer.items()} for layer in base.layers]
+    out.cos, out.sin = cast(base.cos), cast(base.sin)
+    return out
