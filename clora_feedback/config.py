@@ -177,6 +177,11 @@ class EngineConfig(BaseModel):
         description="How often the deployer reads the adapter registry's active pointers, "
         "so a version activated by another process is served within this.",
     )
+    adapter_notify: bool = Field(
+        True,
+        description="On a PostgreSQL registry, LISTEN for its pointer notifications and follow a "
+        "move made by another process at once (polling stays the fallback); false: poll only.",
+    )
     prefix_cache_mb: int = Field(
         2048,
         ge=0,
@@ -412,6 +417,14 @@ class TrainerConfig(BaseModel):
     batched_agents: int = Field(
         1, ge=1, description="Agents per forward/backward (1: serial swap steps, C-LoRA style)."
     )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Dtype of the training forward/backward (base GEMMs, activations); LoRA "
+        "master weights, gradients and Adam moments stay fp32, the log-softmax fp32. bfloat16 "
+        "pays off only where the hardware multiplies bf16 natively (AMX, AVX512-BF16, GPUs): on "
+        "a plain AVX2 CPU a bf16 step is several times slower (docs/benchmarks.md, "
+        "`clora bench precision`). A value other than engine.dtype gives the trainer its own copy of the base.",
+    )
     nice: int = Field(
         10,
         ge=0,
@@ -419,6 +432,12 @@ class TrainerConfig(BaseModel):
         description="How much lower the trainer thread's CPU priority is than serving's (Linux; 0: same).",
     )
     seed: int = 0
+    lease_ttl_s: float = Field(
+        15.0,
+        gt=0,
+        description="How long a trainer's lease on an agent lasts unrenewed (renewed every third "
+        "of it); a dead trainer's agents move to another within lease_ttl_s * 4/3.",
+    )
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
 

@@ -19,6 +19,10 @@ serve each agent's active registry version, so training survives restarts and
 an unloaded adapter stays unloaded. Publish, rollback (operator or guard) and
 load/unload only move the pointer, through the deployer.
 
+Several processes: the trainer takes trainer leases in the registry's database
+(one trainer per agent; `clora train` runs more of them, see `cli.train`), and on
+PostgreSQL the deployer also LISTENs for pointer moves made by other processes.
+
 Not here: HTTP handlers (see `gateway`), training math (see `train`), the
 Kafka lifecycle (see `feedback.pipeline`), running uvicorn (`serve`, below, is
 the only entry; `clora serve` calls it).
@@ -51,6 +55,8 @@ from clora_feedback.gateway.feedback import build_feedback_router
 from clora_feedback.gateway.metrics import Family
 from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.models.resolve import resolve_model_dir
+from clora_feedback.store.db import is_postgres_url
+from clora_feedback.store.lease import TrainerLeases
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryStore
 from clora_feedback.train.guard import RegressionGuard
@@ -151,17 +157,25 @@ def build_policy(engine: object, model_dir: Path, settings: Settings, name: str)
     Sharing is the one-box memory win (the trainer only reads the base); any
     other engine (or a trainer in another process) gets a copy from `model_dir`.
     """
+    compute = getattr(torch, settings.trainer.compute_dtype)
     if isinstance(engine, EmbeddedEngine):
-        return DecoderPolicy.shared_with(engine)
+        return DecoderPolicy.shared_with(engine, compute_dtype=compute)
     return DecoderPolicy.from_dir(
         model_dir,
         max_lora_rank=settings.engine.max_lora_rank,
         target_modules=tuple(settings.engine.lora_target_modules),
         model_name=name,
         max_model_len=settings.engine.max_model_len,
-        dtype=getattr(torch, settings.engine.dtype),
+        dtype=compute,
         device=resolve_device(settings.engine.device),
     )
+
+
+def pointer_listen_url(settings: Settings) -> str | None:
+    """The registry's URL when the deployer LISTENs on it (PostgreSQL and `engine.adapter_notify`),
+    else None (polling only; always so on SQLite)."""
+    url = settings.registry_db_url
+    return str(url) if settings.engine.adapter_notify and is_postgres_url(url) else None
 
 
 def _register_initial(
@@ -205,6 +219,7 @@ def build_service(settings: Settings) -> Service:
         registry,
         poll_interval_s=settings.engine.adapter_poll_interval_s,
         base_model=name,
+        listen_url=pointer_listen_url(settings),
     )
     agents = AgentRegistry(engine, deployer)  # create_app starts the deployer first
 
@@ -217,6 +232,7 @@ def build_service(settings: Settings) -> Service:
         trainer = ContinualTrainer(
             build_policy(engine, model_dir, settings, name), feedback, registry, settings.trainer,
             agents=trainable, base_model=name, deployer=deployer,
+            leases=TrainerLeases(registry.database, ttl_s=settings.trainer.lease_ttl_s),
         )  # fmt: skip
     components: list[Component] = []
     pipeline = FeedbackPipeline(

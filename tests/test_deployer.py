@@ -19,7 +19,7 @@ from clora_feedback.config import AgentConfig, EngineConfig, Settings
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.engine.types import AdapterRef
-from clora_feedback.errors import CloraError, ConflictError, NotFoundError
+from clora_feedback.errors import AdapterError, CloraError, ConflictError, NotFoundError
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.lora.peft_io import save_peft_adapter
@@ -274,3 +274,78 @@ def test_every_reporter_agrees_after_each_move(
         assert unload.status_code == 200, unload.text
         assert reported(client) == (0, None, 0, 0)
     registry.close()
+
+
+class _DirectoryEngine:
+    """An engine that loads adapters from a directory, as vLLM does: records each path it is
+    given (and whether a complete version lay there), optionally refuses one version."""
+
+    model_name = "tiny-base"
+
+    def __init__(self, limits: object) -> None:
+        self.lora_limits = limits
+        self.loaded: list[tuple[str, int, Path | None, bool]] = []
+        self.fail_on: int | None = None
+
+    async def load_adapter(self, ref: AdapterRef) -> None:
+        if ref.version == self.fail_on:
+            raise AdapterError(f"version {ref.version} does not load")
+        complete = ref.path is not None and (ref.path / "manifest.json").is_file()
+        self.loaded.append((ref.agent, ref.version, ref.path, complete))
+
+    async def unload_adapter(self, agent: str) -> None:
+        return None
+
+
+async def test_adopt_gives_a_directory_engine_the_registrys_copy(
+    engine: EmbeddedEngine, registry: AdapterRegistry, tmp_path: Path
+) -> None:
+    source = tmp_path / "upload"
+    save_peft_adapter(_weights(engine, 5), source, base_model="tiny-base")
+    vllm_like = _DirectoryEngine(engine.lora_limits)
+    deployer = Deployer(vllm_like, registry)  # type: ignore[arg-type]
+    assert await deployer.adopt("copied", source) == 1
+    [(agent, version, path, complete)] = vllm_like.loaded
+    assert (agent, version) == ("copied", 1) and complete
+    assert path == registry.get("copied", 1).path and path != source  # the immutable copy
+    assert registry.active("copied").version == 1  # type: ignore[union-attr]
+    # A version the engine refuses: published first, then the pointer moves back.
+    save_peft_adapter(_weights(engine, 6), source, base_model="tiny-base")
+    vllm_like.fail_on = 2
+    with pytest.raises(AdapterError):
+        await deployer.adopt("copied", source)
+    assert registry.active("copied").version == 1  # type: ignore[union-attr]
+    assert registry.get("copied", 2).status == "rolled_back"
+    assert deployer.serving("copied") == 1
+
+
+@pytest.mark.postgres
+async def test_a_publish_elsewhere_is_followed_by_notification(
+    engine: EmbeddedEngine, tmp_path: Path, postgres_url: str
+) -> None:
+    """Polling is off in effect (an hour): only the NOTIFY can bring the new version."""
+    root = tmp_path / "adapters"
+    with AdapterRegistry(root, db=postgres_url) as mine:
+        _publish(mine, engine, "notified", 1)
+        deployer = Deployer(engine, mine, poll_interval_s=3600, listen_url=postgres_url)
+        async with deployer:
+            await asyncio.wait_for(deployer.listening.wait(), timeout=30)
+            assert deployer.serving("notified") == 1
+            # Another registry object on the same database stands in for another process.
+            with AdapterRegistry(root, db=postgres_url, collect_on_open=False) as other:
+                await asyncio.to_thread(
+                    other.publish, "notified", _weights(engine, 2), optimizer_state=None,
+                    base_model="tiny-base", parent=1, step=2, metrics={}, feedback_window=None,
+                )  # fmt: skip
+                # A safety bound so a broken build fails instead of hanging, not a timing claim.
+                async with asyncio.timeout(30):
+                    while deployer.serving("notified") != 2:
+                        await asyncio.sleep(0.01)
+                assert deployer.notifications["notified"] >= 1
+                assert engine.adapter_version("notified") == 2
+                await asyncio.to_thread(other.rollback, "notified", 1, reason="undo elsewhere")
+                async with asyncio.timeout(30):
+                    while deployer.serving("notified") != 1:
+                        await asyncio.sleep(0.01)
+                assert deployer.notifications["notified"] >= 2
+            await deployer.deactivate("notified")

@@ -29,7 +29,7 @@ from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.lora.weights import LoRALimits, random_lora_weights
 from clora_feedback.schemas.feedback import Resolution
-from clora_feedback.store import index, trajectories
+from clora_feedback.store import index, registry_schema, trajectories
 from clora_feedback.store.db import is_postgres_url, open_database, redact
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.sql import PG_SCHEMA_TABLE
@@ -116,10 +116,11 @@ def test_the_three_stores_share_one_database(postgres_url: str, tmp_path: Path) 
         registry.close()
         feedback.close()
         traj.close()
-    declared = {*trajectories.PG_TABLES, *tables.PG_TABLES, *index.PG_TABLES, PG_SCHEMA_TABLE}
+    registry_tables = registry_schema.PG_TABLES
+    declared = {*trajectories.PG_TABLES, *tables.PG_TABLES, *registry_tables, PG_SCHEMA_TABLE}
     assert (
         len(declared)
-        == len(trajectories.PG_TABLES) + len(tables.PG_TABLES) + len(index.PG_TABLES) + 1
+        == len(trajectories.PG_TABLES) + len(tables.PG_TABLES) + len(registry_tables) + 1
     )  # no two stores declare the same table
     assert _tables(postgres_url) == declared
     with psycopg.connect(postgres_url) as conn:

@@ -2,7 +2,8 @@
 
 `run_bench(what, argv)` runs module `clora_feedback.bench.<what>`'s
 `run(argv)`: `serve` (serving engine and gateway), `train`, `ingest` and
-`experiments` (the C-LoRA experiment).
+`experiments` (the C-LoRA experiment), `scaleout` (the roles as processes, 1 vs 2), `precision` (bf16 vs fp32
+training compute).
 Benchmarks are programs, not tests: their figures are recorded in
 `docs/benchmarks.md`.
 """
@@ -13,7 +14,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("serve", "train", "ingest", "experiments")
+BENCHMARKS = ("serve", "train", "ingest", "experiments", "scaleout", "precision")
 """The names `run_bench` accepts."""
 
 OMP_WAIT_POLICIES = ("passive", "active", "inherit")

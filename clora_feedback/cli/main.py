@@ -1,4 +1,4 @@
-"""The `clora` command line: `serve`, `ingest`, `store`, `demo`, `feedback`, `adapters`, `bench`.
+"""The `clora` command line: `serve`, `ingest`, `train`, `store`, `demo`, `feedback`, `adapters`, `bench`.
 
 Argument parsing only; each subcommand hands typed settings to the component
 that does the work. Environment variables are read by `clora_feedback.config`.
@@ -91,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     from clora_feedback.cli.feedback import add_feedback_parser
     from clora_feedback.cli.ingest import add_ingest_parser
     from clora_feedback.cli.store import add_store_parser
+    from clora_feedback.cli.train import add_train_parser
 
     add_ingest_parser(sub)
+    add_train_parser(sub)
     add_store_parser(sub)
     add_feedback_parser(sub)
     add_adapters_parser(sub)

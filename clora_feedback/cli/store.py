@@ -80,7 +80,7 @@ def run_store(args: argparse.Namespace) -> int:
 def store_parts(settings: Settings) -> list[StorePart]:
     """The three stores of a `clora serve` with these settings, as migration parts."""
     from clora_feedback.feedback import tables as feedback_tables
-    from clora_feedback.store import index, trajectories
+    from clora_feedback.store import registry_schema, trajectories
     from clora_feedback.store.migrate import StorePart
 
     return [
@@ -102,7 +102,7 @@ def store_parts(settings: Settings) -> list[StorePart]:
         StorePart(
             component="registry",
             source=settings.registry_db,
-            tables=tuple(index.PG_TABLES),
+            tables=tuple(registry_schema.PG_TABLES),
             version_table="schema_version",
             open_store=lambda url: _open_registry(url, settings.adapters_dir),
             seeded=("meta",),  # the store id claiming adapters_dir

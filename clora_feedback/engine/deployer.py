@@ -21,10 +21,19 @@ registry writes the version durably, and is undone if the registry refuses).
 The engine and the pointer disagree at most for the duration of one move.
 
 A pointer moved elsewhere (another process on the same registry) is followed
-by a watcher that polls the registry every `poll_interval_s`. There the pointer
-moved first; a version that fails to load here is logged, the previous one
-keeps serving (`serving` says so), and it is not retried until the pointer moves
-again. The watcher never moves the pointer back: other engines may serve it.
+at once on PostgreSQL: with `listen_url`, the deployer LISTENs for the registry's
+`NOTIFY clora_adapters, '<agent>'` (`store.notify`) and syncs that agent when one
+arrives (reconnecting on failure, and resynchronising every agent after each
+reconnect). A watcher that polls the registry every `poll_interval_s` is the
+fallback, and the only path on SQLite. There the pointer moved first; a version
+that fails to load here is logged, the previous one keeps serving (`serving`
+says so), and it is not retried until the pointer moves again. The watcher never
+moves the pointer back: other engines may serve it.
+
+One exception to "engine first": a runtime load (`adopt`) on an engine that reads
+adapters from a directory (vLLM) publishes first, so the engine is given the
+registry's immutable copy rather than the caller's directory, and moves the
+pointer back if the engine then refuses it.
 
 Not here: the registry's durability (`clora_feedback.store.registry`), the
 engine's slots (`embedded`), when to roll back (`clora_feedback.train.guard`).
@@ -89,6 +98,8 @@ class Deployer(BackgroundTask):
             elsewhere are followed within this).
         base_model: recorded in versions adopted at runtime (default the engine's name).
         on_stop: called by `stop` (e.g. to close a registry the deployer was given to own).
+        listen_url: the registry's `postgresql://` URL to LISTEN on for pointer moves
+            (None: polling only).
     """
 
     def __init__(
@@ -99,6 +110,7 @@ class Deployer(BackgroundTask):
         poll_interval_s: float = 1.0,
         base_model: str | None = None,
         on_stop: Callable[[], None] | None = None,
+        listen_url: str | None = None,
     ) -> None:
         self.engine = engine
         self.registry = registry
@@ -114,6 +126,13 @@ class Deployer(BackgroundTask):
         # only for one staged slot write (or its undo), so the event loop waits briefly.
         self._engine_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # for hand-offs from threads
+        self.listen_url = listen_url
+        self._listener: asyncio.Task[None] | None = None
+        self._nudges: set[asyncio.Task[None]] = set()
+        self.notifications: dict[str, int] = {}
+        """Pointer notifications received, by agent (observability; tests wait on it)."""
+        self.listening = asyncio.Event()
+        """Set once LISTEN is in place and the agents were resynchronised after it."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -124,11 +143,38 @@ class Deployer(BackgroundTask):
         self._loop = asyncio.get_running_loop()
         await self.reconcile()
         await super().start()
+        if self.listen_url is not None and self._listener is None:
+            from clora_feedback.store.notify import listen_pointer_moves
+
+            self._listener = asyncio.create_task(
+                listen_pointer_moves(self.listen_url, self._on_notified, self._caught_up),
+                name="clora-deployer-listen",
+            )
 
     async def stop(self) -> None:
+        listener, self._listener = self._listener, None
+        for task in [*([listener] if listener is not None else []), *self._nudges]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await super().stop()
         if self._on_stop is not None:
             self._on_stop()
+
+    def _on_notified(self, agent: str) -> None:
+        """A pointer moved (`NOTIFY`): sync that agent now, off the listener's loop."""
+        self.notifications[agent] = self.notifications.get(agent, 0) + 1
+        task = asyncio.create_task(self._nudge(agent), name=f"clora-deployer-sync-{agent}")
+        self._nudges.add(task)
+        task.add_done_callback(self._nudges.discard)
+
+    async def _caught_up(self) -> None:
+        """After every LISTEN (re)connect: moves made while nothing listened were missed."""
+        try:
+            await self.reconcile()
+        except CloraError as exc:
+            log.error("deployer: reading the registry failed: %s", exc.message)
+        self.listening.set()
 
     async def _run(self) -> None:
         while True:
@@ -211,7 +257,6 @@ class Deployer(BackgroundTask):
         async with self._moving():
             active = await asyncio.to_thread(self._pointer, agent)
             version = await asyncio.to_thread(self.registry.next_version, agent)
-            await self._install(AdapterRef(agent, version, path, weights))
             publish = functools.partial(
                 self.registry.publish,
                 agent,
@@ -224,8 +269,31 @@ class Deployer(BackgroundTask):
                 feedback_window={"source": str(path.resolve())},
                 version=version,
             )
-            await self._then_move(agent, publish)
+            if self._in_memory is not None:  # the checked tensors go in first, from memory
+                await self._install(AdapterRef(agent, version, path, weights))
+                await self._then_move(agent, publish)
+                return version
+            # An engine that reads a directory (vLLM) gets the registry's immutable copy, which
+            # exists once published: publish, then load it; undo the move if it cannot load.
+            info = await asyncio.to_thread(publish)
+            try:
+                await self._install(AdapterRef(agent, version, info.path, None))
+            except BaseException:
+                await asyncio.to_thread(self._undo_adopt, agent, version, active)
+                raise
             return version
+
+    def _undo_adopt(self, agent: str, version: int, previous: int | None) -> None:
+        """Move the pointer back from an adopted `version` the engine could not load."""
+        reason = f"adopted version {version} failed to load"
+        try:
+            if previous is None:
+                self.registry.deactivate(agent, expected_active=version)
+            else:
+                self.registry.rollback(agent, previous, reason=reason, expected_active=version)
+        except CloraError as exc:  # the pointer moved meanwhile: it is someone else's now
+            log.error("agent %s: could not undo the adoption of v%d: %s", agent, version,
+                      exc.message)  # fmt: skip
 
     async def deactivate(self, agent: str) -> None:
         """Stop serving `agent`'s adapter and point it at no version (an unload).

@@ -32,7 +32,7 @@ from typing import Any
 from clora_feedback.errors import InvalidRequestError
 from clora_feedback.store.versions import VersionInfo, VersionStatus
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: these tables; 2: + the trainer leases (`lease.TABLES`)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

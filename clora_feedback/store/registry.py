@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
+from clora_feedback.errors import ConflictError, InvalidRequestError, StoreError
 from clora_feedback.lora.peft_io import load_peft_adapter, read_adapter_config
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
-from clora_feedback.store import registry_schema
+from clora_feedback.store import registry_rows, registry_schema
 from clora_feedback.store.artifact import (
     OPTIMIZER_NAME,
     VersionDirs,
@@ -57,9 +57,8 @@ from clora_feedback.store.artifact import (
     verify_version_dir,
     write_version_dir,
 )
-from clora_feedback.store.db import Tx, is_postgres_url, open_database, sqlite_path
+from clora_feedback.store.db import Database, Tx, is_postgres_url, open_database, sqlite_path
 from clora_feedback.store.index import (
-    AGENT_COLUMNS,
     VERSION_COLUMNS,
     Pointer,
     finite_metrics,
@@ -78,12 +77,6 @@ from clora_feedback.store.versions import (
 __all__ = ["AdapterRegistry", "AdapterStore", "AgentInfo", "VersionInfo", "VersionStatus"]
 
 log = logging.getLogger(__name__)
-
-
-def _version_not_found(agent: str, version: int, *, param: str = "version") -> NotFoundError:
-    return NotFoundError(
-        f"agent {agent!r} has no adapter version {version}", param=param, code="version_not_found"
-    )
 
 
 class AdapterRegistry:
@@ -139,6 +132,11 @@ class AdapterRegistry:
     def close(self) -> None:
         self._db.close()
 
+    @property
+    def database(self) -> Database:
+        """The registry's database (the trainer leases live in it too: `store.lease`)."""
+        return self._db
+
     def __enter__(self) -> AdapterRegistry:
         return self
 
@@ -180,36 +178,6 @@ class AdapterRegistry:
         with self._translate(action), self._db.read() as conn:
             yield conn
 
-    @staticmethod
-    def _agent_row(conn: Tx, agent: str, *, lock: bool = False) -> tuple[Any, ...] | None:
-        """(agent, active_version, last_version, pinned, activated_by, activated_at) or None.
-
-        `lock` (inside a write): on PostgreSQL the row stays locked until the transaction
-        ends, so a compare-and-set on it cannot interleave with another process's; SQLite's
-        `BEGIN IMMEDIATE` already holds the only write lock.
-        """
-        sql = f"SELECT {AGENT_COLUMNS} FROM agents WHERE agent = ?"
-        if lock and conn.dialect == "postgresql":
-            sql += " FOR UPDATE"
-        row: tuple[Any, ...] | None = conn.execute(sql, (agent,)).fetchone()
-        return row
-
-    def _require_agent(self, conn: Tx, agent: str, *, lock: bool = False) -> tuple[Any, ...]:
-        row = self._agent_row(conn, agent, lock=lock)
-        if row is None:
-            raise NotFoundError(
-                f"no adapter versions for agent {agent!r}", param="agent", code="agent_not_found"
-            )
-        return row
-
-    @staticmethod
-    def _version_row(conn: Tx, agent: str, version: int) -> tuple[Any, ...] | None:
-        row: tuple[Any, ...] | None = conn.execute(
-            f"SELECT {VERSION_COLUMNS} FROM versions WHERE agent = ? AND version = ?",
-            (agent, version),
-        ).fetchone()
-        return row
-
     def _to_info(self, row: tuple[Any, ...], agent_row: tuple[Any, ...]) -> VersionInfo:
         return version_info(row, Pointer.of(agent_row), self._dirs.path(row[0], row[1]))
 
@@ -223,7 +191,7 @@ class AdapterRegistry:
         """
         check_agent_name(agent)
         with self._transaction("reserve") as conn:
-            row = self._agent_row(conn, agent, lock=True)
+            row = registry_rows.agent_row(conn, agent, lock=True)
             if row is None:
                 # ON CONFLICT: on PostgreSQL another process may insert the agent meanwhile;
                 # then this waits for it and numbers on from its row.
@@ -233,7 +201,7 @@ class AdapterRegistry:
                     (agent, time.time()),
                 ).rowcount:
                     return 1
-                row = self._require_agent(conn, agent, lock=True)
+                row = registry_rows.require_agent(conn, agent, lock=True)
             version = int(row[2]) + 1
             conn.execute("UPDATE agents SET last_version = ? WHERE agent = ?", (version, agent))
             return version
@@ -366,7 +334,7 @@ class AdapterRegistry:
         with self._dirs.lock():
             # Checked before writing (a cheap failure) and again in the commit (the truth).
             with self._read("publish") as conn:
-                self._check_publishable(conn, agent, parent, activate)
+                registry_rows.check_publishable(conn, agent, parent, activate)
             version = meta["version"] = (
                 self.next_version(agent)
                 if reserved is None
@@ -397,7 +365,7 @@ class AdapterRegistry:
     def _check_reserved(self, agent: str, version: int) -> int:
         """A reserved number must have been handed out and not used by any version yet."""
         with self._read("publish") as conn:
-            row = self._agent_row(conn, agent)
+            row = registry_rows.agent_row(conn, agent)
             used = conn.execute(
                 "SELECT max(version) FROM versions WHERE agent = ?", (agent,)
             ).fetchone()[0]
@@ -409,30 +377,11 @@ class AdapterRegistry:
             )
         return version
 
-    def _check_publishable(
-        self, conn: Tx, agent: str, parent: int | None, activate: bool, *, lock: bool = False
-    ) -> None:
-        row = self._agent_row(conn, agent, lock=lock)
-        active = None if row is None else row[1]
-        if row is not None and row[3]:
-            raise ConflictError(
-                f"agent {agent!r} is pinned: training is frozen until it is unpinned",
-                code="agent_pinned",
-            )
-        if parent is not None and self._version_row(conn, agent, parent) is None:
-            raise _version_not_found(agent, parent, param="parent")
-        if activate and parent != active:
-            raise ConflictError(
-                f"agent {agent!r}: parent version {parent} is not the active version {active} "
-                "(rolled back meanwhile?); reload the active version and train from it",
-                code="parent_not_active",
-            )
-
     def _commit_publish(self, manifest: dict[str, Any], window: str | None, activate: bool) -> None:
         """Insert the version row and move the active pointer, in one transaction."""
         agent, version = manifest["agent"], manifest["version"]
         with self._transaction("publish") as conn:
-            self._check_publishable(conn, agent, manifest["parent"], activate, lock=True)
+            registry_rows.check_publishable(conn, agent, manifest["parent"], activate, lock=True)
             conn.execute(
                 f"INSERT INTO versions ({VERSION_COLUMNS}) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
@@ -455,6 +404,7 @@ class AdapterRegistry:
                     "activated_at = ? WHERE agent = ?",
                     (version, time.time(), agent),
                 )
+                registry_schema.notify_pointer_moved(conn, agent)
 
     def collect_garbage(self) -> list[Path]:
         """Delete crash leftovers: temp dirs and version dirs with no committed row.
@@ -482,7 +432,7 @@ class AdapterRegistry:
             NotFoundError: the registry has never seen `agent`.
         """
         with self._read() as conn:
-            row = self._require_agent(conn, agent)
+            row = registry_rows.require_agent(conn, agent)
             count, latest = conn.execute(
                 "SELECT count(*), max(version) FROM versions WHERE agent = ?", (agent,)
             ).fetchone()
@@ -505,10 +455,10 @@ class AdapterRegistry:
     def active(self, agent: str) -> VersionInfo | None:
         """The active version of `agent`; None when it has none (or is unknown)."""
         with self._read() as conn:
-            row = self._agent_row(conn, agent)
+            row = registry_rows.agent_row(conn, agent)
             if row is None or row[1] is None:
                 return None
-            version_row = self._version_row(conn, agent, row[1])
+            version_row = registry_rows.version_row(conn, agent, row[1])
         return None if version_row is None else self._to_info(version_row, row)
 
     def get(self, agent: str, version: int) -> VersionInfo:
@@ -518,10 +468,10 @@ class AdapterRegistry:
             NotFoundError: unknown agent (`agent_not_found`) or version (`version_not_found`).
         """
         with self._read() as conn:
-            row = self._require_agent(conn, agent)
-            version_row = self._version_row(conn, agent, version)
+            row = registry_rows.require_agent(conn, agent)
+            version_row = registry_rows.version_row(conn, agent, version)
         if version_row is None:
-            raise _version_not_found(agent, version)
+            raise registry_rows.version_not_found(agent, version)
         return self._to_info(version_row, row)
 
     def versions(self, agent: str) -> list[VersionInfo]:
@@ -531,7 +481,7 @@ class AdapterRegistry:
             NotFoundError: unknown agent.
         """
         with self._read() as conn:
-            row = self._require_agent(conn, agent)
+            row = registry_rows.require_agent(conn, agent)
             rows = conn.execute(
                 f"SELECT {VERSION_COLUMNS} FROM versions WHERE agent = ? ORDER BY version",
                 (agent,),
@@ -586,7 +536,7 @@ class AdapterRegistry:
     def is_pinned(self, agent: str) -> bool:
         """Whether training of `agent` is frozen (False for an agent the registry never saw)."""
         with self._read() as conn:
-            row = self._agent_row(conn, agent)
+            row = registry_rows.agent_row(conn, agent)
         return bool(row is not None and row[3])
 
     # -- moving the pointer, pinning --------------------------------------------------
@@ -619,9 +569,9 @@ class AdapterRegistry:
             raise InvalidRequestError("a rollback needs a reason", param="reason")
         now = time.time()
         with self._transaction("rollback") as conn:
-            active = self._require_agent(conn, agent, lock=True)[1]
-            if self._version_row(conn, agent, version) is None:
-                raise _version_not_found(agent, version)
+            active = registry_rows.require_agent(conn, agent, lock=True)[1]
+            if registry_rows.version_row(conn, agent, version) is None:
+                raise registry_rows.version_not_found(agent, version)
             check_pointer_move(agent, active, version, expected_active)
             conn.execute(
                 "UPDATE versions SET rolled_back_at = ?, rolled_back_reason = ? "
@@ -638,6 +588,7 @@ class AdapterRegistry:
                 "WHERE agent = ?",
                 (version, now, agent),
             )
+            registry_schema.notify_pointer_moved(conn, agent)
         log.warning(
             "agent %s: rolled back from version %s to %d: %s", agent, active, version, reason
         )
@@ -655,7 +606,7 @@ class AdapterRegistry:
             ConflictError: the active version is not `expected_active` (`active_changed`).
         """
         with self._transaction("deactivate") as conn:
-            active = self._require_agent(conn, agent, lock=True)[1]
+            active = registry_rows.require_agent(conn, agent, lock=True)[1]
             if active is None or active != expected_active:
                 raise ConflictError(
                     f"agent {agent!r}: the active version is {active}, not {expected_active}",
@@ -666,6 +617,7 @@ class AdapterRegistry:
                 "WHERE agent = ?",
                 (time.time(), agent),
             )
+            registry_schema.notify_pointer_moved(conn, agent)
         log.warning("agent %s: deactivated version %d (the base model serves it)", agent, active)
         return self.agent(agent)
 
@@ -687,6 +639,6 @@ class AdapterRegistry:
 
     def _set_pinned(self, agent: str, pinned: bool) -> AgentInfo:
         with self._transaction("pin") as conn:
-            self._require_agent(conn, agent, lock=True)
+            registry_rows.require_agent(conn, agent, lock=True)
             conn.execute("UPDATE agents SET pinned = ? WHERE agent = ?", (int(pinned), agent))
         return self.agent(agent)

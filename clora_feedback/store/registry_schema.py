@@ -2,7 +2,9 @@
 
 `init_schema` creates the tables (`index.SCHEMA` in a SQLite file, `index.PG_SCHEMA`
 on PostgreSQL, which starts at the current version and records it as component
-`registry` of the shared `clora_schema` table). `claim_root` ties the version tree
+`registry` of the shared `clora_schema` table) and upgrades an older database:
+version 1 had no trainer leases; version 2 adds `lease.TABLES` (new tables only,
+so the upgrade is their `CREATE TABLE IF NOT EXISTS` and the version row). `claim_root` ties the version tree
 to the database: the `meta` row `store_id` and the tree's `.store-id` file must
 agree, so a registry opened on another database's tree refuses rather than
 garbage-collect that tree's versions. On PostgreSQL the claim is that row in the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import uuid
 
 from clora_feedback.errors import StoreError
+from clora_feedback.store import index, lease
 from clora_feedback.store.artifact import VersionDirs
 from clora_feedback.store.db import Tx
 from clora_feedback.store.index import PG_SCHEMA, SCHEMA, SCHEMA_VERSION
@@ -28,6 +31,13 @@ from clora_feedback.store.sql import (
     set_pg_schema_version,
 )
 
+POINTER_CHANNEL = "clora_adapters"
+"""PostgreSQL: every move of an agent's active pointer sends `NOTIFY clora_adapters, '<agent>'`
+in the moving transaction (delivered only if it commits); deployers LISTEN on it."""
+
+PG_TABLES = (*index.PG_TABLES, *lease.TABLES)
+"""Every registry table on PostgreSQL, parents first (what `clora store migrate` copies)."""
+
 
 def init_schema(conn: Tx, url: str) -> None:
     """Create the registry's tables (inside the caller's transaction).
@@ -37,19 +47,34 @@ def init_schema(conn: Tx, url: str) -> None:
     """
     if conn.dialect == "postgresql":
         version = pg_schema_version(conn, "registry")
+        _check_not_newer(version, url)
         run_script(conn, PG_SCHEMA)
-        if version is None:
+        run_script(conn, lease.schema(conn.dialect))
+        if version != SCHEMA_VERSION:  # new, or an upgrade from 1
             set_pg_schema_version(conn, "registry", SCHEMA_VERSION)
     else:
         run_script(conn, SCHEMA)
         version = conn.execute("SELECT max(version) FROM schema_version").fetchone()[0]
-        if version is None:
+        _check_not_newer(version, url)
+        run_script(conn, lease.schema(conn.dialect))
+        if version != SCHEMA_VERSION:
+            conn.execute("DELETE FROM schema_version")
             conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+
+
+def _check_not_newer(version: int | None, url: str) -> None:
     if version is not None and version > SCHEMA_VERSION:
         raise StoreError(
             f"{url}: schema version {version} is newer than this code "
             f"({SCHEMA_VERSION}); upgrade clora-feedback"
         )
+
+
+def notify_pointer_moved(conn: Tx, agent: str) -> None:
+    """Inside a transaction that moves `agent`'s pointer: tell every listener (PostgreSQL)
+    once it commits. SQLite has no notifications: deployers poll it."""
+    if conn.dialect == "postgresql":
+        conn.execute("SELECT pg_notify(?, ?)", (POINTER_CHANNEL, agent))
 
 
 def claim_root(conn: Tx, dirs: VersionDirs, url: str) -> None:

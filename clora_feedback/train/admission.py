@@ -60,6 +60,12 @@ class Admission:
     def pending(self, agent: str) -> int:
         return len(self._queues[agent])
 
+    def discard(self, agent: str) -> int:
+        """Forget `agent`'s waiting samples (its trainer state was dropped: another trainer
+        took it, or it reloads from the registry); returns how many were dropped."""
+        queue = self._queues.pop(agent, None)
+        return 0 if queue is None else len(queue)
+
     def admit(
         self, agent: str, active_version: int, *, force: bool = False
     ) -> list[tuple[TrainingSample, int]]:

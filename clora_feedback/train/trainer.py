@@ -33,6 +33,15 @@ adapter was unloaded (it has versions but no active one) is not trained until
 a load or a rollback activates a version again: otherwise its next publish
 would bring the unloaded adapter back.
 
+Ownership (several trainers on one registry, `clora train`): with `leases`, a
+trainer trains only the agents whose lease it holds (`clora_feedback.store.lease`:
+at most its fair share, renewed every `ttl / 3` by a task beside the rounds, so a
+long step does not let them lapse). An agent whose lease is lost has its run and
+its waiting samples dropped; when the lease comes back the run is read again from
+the registry (the other trainer may have published meanwhile). Before a publish
+the trainer checks that the lease is still its own; the registry's parent
+compare-and-set stays the last guard.
+
 Not here: the math of a step (`step`), the HTTP routes, the guard's statistics.
 """
 
@@ -52,10 +61,11 @@ import torch
 
 from clora_feedback.config import TrainerConfig
 from clora_feedback.engine.types import AdapterRef
-from clora_feedback.errors import ConflictError, NotFoundError
+from clora_feedback.errors import ConflictError, NotFoundError, StoreError
 from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.priority import lower_thread_priority
+from clora_feedback.store.lease import TrainerLeases
 from clora_feedback.store.versions import AdapterStore
 from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
@@ -102,6 +112,7 @@ class ContinualTrainer(BackgroundTask):
         deployer: PublishHandoff | None = None,
         agents: Callable[[], Iterable[str]] | None = None,
         base_model: str | None = None,
+        leases: TrainerLeases | None = None,
     ):
         self.policy = policy
         self.deployer = deployer  # None: a deployer elsewhere follows the registry
@@ -127,6 +138,8 @@ class ContinualTrainer(BackgroundTask):
         self.history: list[StepResult] = []
         self.last_publish: dict[str, float] = {}
         self._executor: ThreadPoolExecutor | None = None
+        self.leases = leases  # None: this trainer trains every agent (one trainer in all)
+        self._candidates: list[str] | None = None  # the last round's trainable agents
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -144,21 +157,45 @@ class ContinualTrainer(BackgroundTask):
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.run_round)
 
     async def stop(self) -> None:
-        """Stop the loop; a round in progress finishes on its thread, then the thread ends."""
+        """Stop the loop; a round in progress finishes on its thread, then the thread ends.
+        Leases are released, so another trainer takes the agents at once."""
         await super().stop()
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False)
+        if self.leases is not None:
+            try:
+                await asyncio.to_thread(self.leases.release)
+            except StoreError as exc:  # they expire after the TTL anyway
+                log.warning("trainer: releasing the leases failed: %s", exc.message)
 
     async def _run(self) -> None:
+        keeper = None if self.leases is None else asyncio.create_task(self._keep_leases())
+        try:
+            while True:
+                try:
+                    await self.run_round_async()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # keep training other agents; the error is in the log
+                    log.exception("trainer round failed")
+                await asyncio.sleep(self.config.poll_interval_s)
+        finally:
+            if keeper is not None:
+                keeper.cancel()
+
+    async def _keep_leases(self) -> None:
+        """Renew the leases every `ttl / 3` while rounds run (a step may outlast a renewal)."""
+        assert self.leases is not None
         while True:
+            await asyncio.sleep(self.leases.renew_interval_s)
+            candidates = self._candidates
+            if candidates is None:
+                continue  # no round yet: the first round refreshes them itself
             try:
-                await self.run_round_async()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep training other agents; the error is in the log
-                log.exception("trainer round failed")
-            await asyncio.sleep(self.config.poll_interval_s)
+                await asyncio.to_thread(self.leases.refresh, candidates)
+            except StoreError as exc:  # held() lapses by itself after the TTL
+                log.error("trainer: renewing the leases failed: %s", exc.message)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -223,7 +260,7 @@ class ContinualTrainer(BackgroundTask):
     def run_round(self) -> list[StepResult]:
         """Pull rewards, admit, step and publish every ready agent once (blocking)."""
         with self._lock:
-            agents = [a for a in self._agents() if self._trainable(a)]
+            agents = self._owned([a for a in self._agents() if self._trainable(a)])
             if not agents:
                 return []
             self._turn = (self._turn + 1) % len(agents)
@@ -239,6 +276,28 @@ class ContinualTrainer(BackgroundTask):
                 results += self._step(ready[i : i + k])
             return results
 
+    def _owned(self, agents: list[str]) -> list[str]:
+        """The agents of `agents` this trainer holds the lease of (all, without leases);
+        drops the runs of agents it no longer holds."""
+        if self.leases is None:
+            return agents
+        self._candidates = agents
+        if self.leases.due():
+            try:
+                self.leases.refresh(agents)
+            except StoreError as exc:
+                log.error("trainer: refreshing the leases failed: %s", exc.message)
+        held = self.leases.held()
+        for agent in [a for a in self._runs if a not in held]:
+            self._drop(agent)
+            log.info("agent %s: lease not held; its training state is dropped", agent)
+        return [a for a in agents if a in held]
+
+    def _drop(self, agent: str) -> None:
+        """Forget `agent`'s run and waiting samples; the next round reloads it from the registry."""
+        self._runs.pop(agent, None)
+        self.admission.discard(agent)
+
     def _trainable(self, agent: str) -> bool:
         """Whether `agent` trains this round; drops a run whose version is no longer active.
 
@@ -253,7 +312,7 @@ class ContinualTrainer(BackgroundTask):
             return True  # never published: trained from a fresh adapter
         run = self._runs.get(agent)
         if run is not None and run.state.version != (info.active_version or 0):
-            self._runs.pop(agent)
+            self._drop(agent)  # its waiting samples are offered again from the new run's cursor
         return not info.pinned and not info.deactivated
 
     def _admit(self, agent: str) -> list[tuple[TrainingSample, int]]:
@@ -339,12 +398,16 @@ class ContinualTrainer(BackgroundTask):
             active = None
         if self.registry.is_pinned(agent) or (active.version if active else 0) != state.version:
             log.warning("agent %s: step discarded (pinned or rolled back during the step)", agent)
-            self._runs.pop(agent, None)
+            self._drop(agent)
+            return False
+        if self.leases is not None and not self.leases.holds(agent):
+            log.warning("agent %s: step discarded (its lease moved to another trainer)", agent)
+            self._drop(agent)
             return False
         t0 = time.perf_counter()
         if not bool(torch.isfinite(state.params).all()):  # one check over the flat buffer
             log.error("agent %s: step %d produced non-finite weights; discarded", agent, state.step)
-            self._runs.pop(agent, None)  # the next round reloads the last good version
+            self._drop(agent)  # the next round reloads the last good version
             return False
         # Built in the engine's own layout and checked above; the engine keeps this copy.
         weights = state.layout.to_weights(state.params)
@@ -366,7 +429,7 @@ class ContinualTrainer(BackgroundTask):
                     version=version,
                 )
         except Exception as exc:
-            self._runs.pop(agent, None)
+            self._drop(agent)
             if isinstance(exc, ConflictError):  # pinned or rolled back meanwhile: the step is void
                 log.warning("agent %s: step discarded (%s)", agent, exc.message)
                 return False
