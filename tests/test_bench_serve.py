@@ -1,4 +1,4 @@
-"""Smoke run of `clora bench serve` on the tiny model: every measurement runs, the table has its rows.
+"""Smoke runs of `clora bench serve` on the tiny model: every measurement runs, the tables have their rows.
 
 Never the figures: a tiny random model on a shared CPU says nothing about speed.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -19,7 +20,8 @@ def test_serve_bench_quick_runs_every_measurement(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
-    argv = ["--quick", "--model", str(model_dir), "--new-tokens", "4", "--agent-tokens", "3"]
+    argv = ["--in-process", "--quick", "--model", str(model_dir), "--new-tokens", "4"]
+    argv += ["--agent-tokens", "3"]
     argv += ["--gateway-reps", "3", "--json", str(tmp_path / "serve.json"), "--threads", "1"]
     threads = torch.get_num_threads()
     try:
@@ -42,3 +44,60 @@ def test_serve_bench_quick_runs_every_measurement(
     for key in ("mixed_ratio", "multiplex_ratio", "decode_speedup_single", "speedup_batch8"):
         assert results[key] > 0
     assert results["gateway_http_ms"] > 0
+
+
+def test_serve_bench_through_http_against_another_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The serving figures through the gateway, side by side with another OpenAI server
+    (here a second gateway on its own engine): PEFT adapters loaded over HTTP on both."""
+    from clora_feedback.bench.gateway import _uvicorn_thread
+    from clora_feedback.config import EngineConfig, Settings
+    from clora_feedback.engine.embedded import EmbeddedEngine
+    from clora_feedback.gateway.app import create_app
+    from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
+    config = EngineConfig(model=str(model_dir), max_loras=8, max_lora_rank=16, num_threads=1)
+    other = tmp_path / "other"
+    settings = Settings(data_dir=other, adapters_dir=other / "adapters", engine=config)
+    engine = EmbeddedEngine(model_dir, config)
+    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+    threads = torch.get_num_threads()
+    try:
+        with _uvicorn_thread(app) as url:
+            argv = ["--quick", "--model", str(model_dir), "--new-tokens", "4", "--reps", "1"]
+            argv += ["--dtypes", "float32", "--threads", "1", "--json", str(tmp_path / "s.json")]
+            argv += ["--against", url, "--against-label", "other", "--against-dtype", "float32"]
+            assert run_bench("serve", argv) == 0
+            listed = httpx.get(f"{url}/v1/models").json()["data"]
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert [r[:2] for r in rows if r[:1].isdigit()] == [
+        "1.",
+        "2.",
+        "3.",
+        "4.",
+        "5.",
+        "1.",
+        "2.",
+        "3.",
+    ]
+    assert "nan" not in out
+    results = json.loads((tmp_path / "s.json").read_text())["results"]
+    for target in ("embedded float32", "other"):
+        for figure in ("single", "prompts8", "mixed", "one", "mixed_ratio"):
+            assert results[f"{target}:{figure}"] > 0
+    assert results["embedded float32:vs:mixed"] > 0
+    assert [m["id"] for m in listed if m["parent"] is not None] == []  # adapters unloaded again
+
+
+def test_decode_profile_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
+    assert run_bench("serve", ["--decode-profile", "--model", str(model_dir), "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    for case in ("decode_mixed_permuted", "lora_mixed_rank8", "mixed_vs_one_decode"):
+        assert f"| {case} |" in out
+    assert "nan" not in out and "inf" not in out

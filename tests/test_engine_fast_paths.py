@@ -130,13 +130,18 @@ def test_block_form_update_matches_reference(
     ref = lora_delta_reference(x, lora.a, dense, batch.slot_ids)
     assert ref.abs().max() > 0
     torch.testing.assert_close(y, base + ref)
+    # Reading only the ranks the batch's adapters use (the rest is zero padding).
+    used = max(1 + s % 4 for s in slots if s) if any(slots) else 0
+    ranked = base.clone()
+    add_lora_update_(ranked, x, lora.a, lora.blocks, LoRABatch.from_slots(slots, rank=used))
+    torch.testing.assert_close(ranked, base + ref)
 
 
 CPU = torch.device("cpu")
 
 
 def _kernels(dtype: torch.dtype) -> list[str]:
-    names = ["linear", "blocked"]
+    names = ["linear", "blocked"] + (["upcast"] if dtype != torch.float32 else [])
     if packed_supported(dtype, CPU):  # a CPU-feature probe: the same answer on every run
         names.append("packed")
     return names
@@ -159,13 +164,13 @@ def test_dense_kernels_match_linear(dtype: torch.dtype) -> None:
         kernels = DenseKernels.build(layers, lm_head, name)
         assert kernels.name == name
         for n in range(1, 18):
-            x = torch.randn(n, 96, generator=gen).to(dtype)
+            x = torch.randn(n, 96, generator=gen).to(kernels.compute_dtype)
             with torch.inference_mode():
                 torch.testing.assert_close(
                     kernels.lm_head(x).float(), F.linear(x.float(), lm_head.float()), **tol
                 )
                 for group, w in layers[0].items():
-                    xin = torch.randn(n, w.shape[1], generator=gen).to(dtype)
+                    xin = torch.randn(n, w.shape[1], generator=gen).to(kernels.compute_dtype)
                     got = kernels.layers[0][group](xin).float()
                     torch.testing.assert_close(got, F.linear(xin.float(), w.float()), **tol)
 
@@ -182,17 +187,22 @@ def test_auto_kernel_per_dtype() -> None:
     assert DenseKernels.build(w, torch.randn(64, 8)).name == "blocked"
     wb = [{k: v.bfloat16() for k, v in w[0].items()}]
     head = torch.randn(64, 8).bfloat16()
-    expected = "packed" if packed_supported(torch.bfloat16, CPU) else "linear"
-    assert DenseKernels.build(wb, head).name == expected
+    supported = packed_supported(torch.bfloat16, CPU)
+    # Without oneDNN's bf16 path, bf16 weights are multiplied as fp32 copies (`upcast`).
+    assert DenseKernels.build(wb, head).name == ("packed" if supported else "upcast")
     # Forcing `packed` where this CPU has no oneDNN bf16 path falls back to `linear`,
     # deterministically; whatever is chosen computes F.linear.
     forced = DenseKernels.build(wb, head, "packed")
-    assert forced.name == expected
+    assert forced.name == ("packed" if supported else "linear")
+    upcast = DenseKernels.build(wb, head, "upcast")
     x = torch.randn(5, 8).bfloat16()
     with torch.inference_mode():
-        torch.testing.assert_close(
-            forced.lm_head(x).float(), F.linear(x.float(), head.float()), rtol=2e-2, atol=0.3
-        )
+        for kernels in (forced, upcast):
+            got = kernels.lm_head(x.to(kernels.compute_dtype))
+            assert got.dtype == kernels.compute_dtype
+            torch.testing.assert_close(
+                got.float(), F.linear(x.float(), head.float()), rtol=2e-2, atol=0.3
+            )
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +270,49 @@ def test_fast_paths_with_adapters_match_the_shared_decoder(model_dir: Path) -> N
             forward_hidden(model.base, prompts[0].unsqueeze(0))[0, -1] @ model.base.lm_head.t()
         )
     assert (decoded[0] - base_only).abs().max() > 1e-3  # the adapter really changes the output
+
+
+@pytest.mark.parametrize(
+    ("same_length", "dtype"),
+    [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)],
+)
+def test_mixed_adapters_in_any_row_order_match_each_adapter_alone(
+    model_dir: Path, same_length: bool, dtype: torch.dtype
+) -> None:
+    """A batch whose rows are not grouped by slot is decoded in slot order (rows permuted,
+    the cache read in place), each adapter read only up to the batch's highest rank:
+    every row's logits are those of its adapter decoding alone (bf16: on this CPU's
+    bf16 kernel, `packed` or `upcast`)."""
+    model = LoRAModel.from_dir(
+        model_dir, max_loras=4, max_lora_rank=8, target_modules=ALL, dtype=dtype
+    )
+    for slot in range(1, 5):
+        weights = random_lora_weights(model.limits, rank=4 + slot % 2 * 4, seed=10 + slot)
+        model.write_slot(slot, weights)
+    gen = torch.Generator().manual_seed(4)
+    rows, row_slots = [2, 0, 3, 1], [3, 1, 4, 2]  # a run of rows, neither in row nor slot order
+    lengths = [8] * 4 if same_length else [6, 9, 5, 12]
+    prompts = [torch.randint(3, 250, (n,), generator=gen) for n in lengths]
+    cache = KVCache(model.config, 4, 32, dtype, torch.device("cpu"))
+    for row, ids, slot in zip(rows, prompts, row_slots, strict=True):
+        model.prefill(ids[:-1], cache, row, slot)
+    last = torch.stack([p[-1] for p in prompts])
+    positions = torch.tensor([n - 1 for n in lengths])
+    batch = LoRABatch.from_slots(row_slots)
+    assert batch.slot_order() is not None  # the reordering path is the one under test
+    mixed = model.decode(last, rows, positions, batch, cache)
+    for i, (row, slot) in enumerate(zip(rows, row_slots, strict=True)):
+        alone = model.decode(
+            last[i : i + 1], [row], positions[i : i + 1], LoRABatch.from_slots([slot]), cache
+        )
+        if dtype == torch.float32:
+            torch.testing.assert_close(mixed[i], alone[0], atol=1e-4, rtol=0)
+            assert mixed[i].argmax() == alone[0].argmax()
+        else:  # bf16 rounds the residual stream: batched and single rows may differ by an ulp
+            torch.testing.assert_close(mixed[i], alone[0], atol=0.1, rtol=0.02)
+    if dtype != torch.float32:
+        return
+    with torch.no_grad():
+        ids = prompts[1]
+        hidden = forward_hidden(model.base, ids.unsqueeze(0), _SlotLoRA(model, [row_slots[1]]))[0]
+        torch.testing.assert_close(mixed[1], hidden[-1] @ model.base.lm_head.t(), atol=1e-4, rtol=0)

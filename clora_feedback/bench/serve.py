@@ -1,6 +1,8 @@
-"""`clora bench serve [--quick]`: serving benchmarks on the default model, as ratios.
+"""`clora bench serve --in-process [--quick]`: in-process engine benchmarks, as ratios.
 
-Four measurements, each a ratio taken within one run on one machine (so the
+Plain `clora bench serve` measures the serving figures a user sees, through
+HTTP, optionally side by side with another OpenAI server (`--against URL`):
+see `clora_feedback.bench.serve_gateway`. With `--in-process`, four measurements, each a ratio taken within one run on one machine (so the
 machine's speed cancels out), printed as a Markdown table:
 
 1. mixed adapters: 8 concurrent requests on 8 different random rank-16
@@ -37,6 +39,8 @@ from pathlib import Path
 import torch
 
 from clora_feedback.bench import OMP_WAIT_POLICIES
+from clora_feedback.bench.serve_gateway import Options as ServingOptions
+from clora_feedback.bench.serve_gateway import add_arguments, options_from
 from clora_feedback.bench.workload import concurrent, episodes
 from clora_feedback.config import DEFAULT_MODEL, EngineConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
@@ -69,6 +73,8 @@ class Options:
         skip_hf: skip the transformers baseline.
         skip_gateway: skip the gateway overhead.
         json_path: also write the results here.
+        in_process: run the in-process benchmarks (1-4 above), not `serving`.
+        serving: the options of the serving figures through HTTP (`serve_gateway`).
     """
 
     model: str
@@ -83,6 +89,9 @@ class Options:
     skip_hf: bool
     skip_gateway: bool
     json_path: Path | None
+    in_process: bool
+    serving: ServingOptions
+    decode_profile: bool = False
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -113,6 +122,19 @@ def parse_options(argv: list[str]) -> Options:
         help="OpenMP idle threads: sleep (passive, default), spin (active) or as the "
         "environment says (inherit). Applied by `run_bench` before torch loads.",
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="The in-process engine benchmarks below instead of the serving figures through "
+        "HTTP (`clora_feedback.bench.serve_gateway`).",
+    )
+    parser.add_argument(
+        "--decode-profile",
+        action="store_true",
+        help="Only the in-process decode-step profile of mixed adapters "
+        "(`clora_feedback.bench.decode_profile`).",
+    )
+    add_arguments(parser)
     args = parser.parse_args(argv)
     quick = bool(args.quick)
     return Options(
@@ -128,6 +150,9 @@ def parse_options(argv: list[str]) -> Options:
         skip_hf=args.skip_hf,
         skip_gateway=args.skip_gateway,
         json_path=args.json,
+        in_process=bool(args.in_process),
+        decode_profile=bool(args.decode_profile),
+        serving=options_from(args, quick=quick),
     )
 
 
@@ -360,6 +385,21 @@ def run(argv: list[str]) -> int:
     if o.threads:
         torch.set_num_threads(o.threads)
     facts = machine_facts()
+    if o.decode_profile:
+        from clora_feedback.bench.decode_profile import profile
+        from clora_feedback.bench.decode_profile import table as profile_table
+        from clora_feedback.models.resolve import resolve_model_dir
+
+        values = profile(resolve_model_dir(o.model, o.cache_dir), o.dtype, o.serving.reps * 3)
+        print(profile_table(values, o.dtype))
+        facts["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        for key, value in facts.items():
+            print(f"- {key}: {value}")
+        return 0
+    if not o.in_process:
+        from clora_feedback.bench.serve_gateway import run as run_serving
+
+        return run_serving(o.serving, facts)
     start = time.perf_counter()
     r = asyncio.run(measure(o))
     facts["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -23,15 +23,23 @@ class DenseKernels:
     """How the serving fast path multiplies by each base weight (inference only).
 
     `layers[i][group](x)` computes x [N, in] @ W.T for the layer's weight
-    W [out, in], `lm_head(x)` the vocabulary projection. The caller keeps the
+    W [out, in], `lm_head(x)` the vocabulary projection, both taking and
+    returning `compute_dtype` (the weights' dtype, except for `upcast`: fp32). The caller keeps the
     plain weights (for the differentiable path); a kernel may hold another
     copy in a layout the CPU multiplies faster (see `build`).
     """
 
-    def __init__(self, layers: list[dict[str, Linear]], lm_head: Linear, name: str):
+    def __init__(
+        self,
+        layers: list[dict[str, Linear]],
+        lm_head: Linear,
+        name: str,
+        compute_dtype: torch.dtype,
+    ):
         self.layers = layers
         self.lm_head = lm_head
         self.name = name
+        self.compute_dtype = compute_dtype
 
     @classmethod
     def build(
@@ -44,6 +52,11 @@ class DenseKernels:
         - `blocked` (fp32 on CPU): no copy; for 4..15 rows the product runs as
           one batched matmul over 64-row blocks of W, which MKL streams ~1.5x
           (lm_head ~2.4x) faster than its small-M GEMM; other sizes use `F.linear`.
+        - `upcast` (bf16/fp16 on a CPU where `packed` cannot run, e.g. AVX2 only):
+          there a bf16 GEMM converts on every call and runs at about half the fp32
+          speed, so each weight keeps an fp32 copy of its (exactly representable)
+          values, multiplied by the `blocked` kernel: fp32 in and out (the caller
+          casts around the projection). A second copy in memory.
         - `linear`: `F.linear` on the plain weights (CUDA, other dtypes).
 
         A non-plain kernel is checked against `F.linear` on the first weight and
@@ -56,15 +69,20 @@ class DenseKernels:
                 kernel = "blocked"
             elif packed_supported(lm_head.dtype, lm_head.device):
                 kernel = "packed"
-        make = {"packed": _packed, "blocked": _blocked, "linear": _plain}[kernel]
+            elif lm_head.device.type == "cpu" and lm_head.dtype in (torch.bfloat16, torch.float16):
+                kernel = "upcast"
+        make = {"packed": _packed, "blocked": _blocked, "upcast": _upcast, "linear": _plain}[kernel]
         try:
             built = cls(
                 [{g: make(w) for g, w in layer.items()} for layer in layers],
                 make(lm_head),
                 kernel,
+                torch.float32 if kernel == "upcast" else lm_head.dtype,
             )
             first = next(iter(layers[0]))
-            if kernel == "linear" or _agrees(built.layers[0][first], layers[0][first]):
+            if kernel == "linear" or _agrees(
+                built.layers[0][first], layers[0][first], built.compute_dtype
+            ):
                 return built
         except RuntimeError:
             pass
@@ -99,6 +117,10 @@ def _blocked(w: torch.Tensor) -> Linear:
     return linear
 
 
+def _upcast(w: torch.Tensor) -> Linear:
+    return _blocked(w.float())
+
+
 def packed_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the `packed` kernel can run here: bf16 on a CPU whose oneDNN has a bf16 path.
 
@@ -125,9 +147,9 @@ def _packed(w: torch.Tensor) -> Linear:
     return linear
 
 
-def _agrees(kernel: Linear, w: torch.Tensor) -> bool:
+def _agrees(kernel: Linear, w: torch.Tensor, compute_dtype: torch.dtype) -> bool:
     x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
     with torch.inference_mode():
         want = F.linear(x.float(), w.float())
-        got = kernel(x).float()
+        got = kernel(x.to(compute_dtype)).float()
     return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))

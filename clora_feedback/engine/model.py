@@ -39,9 +39,10 @@ from clora_feedback.model.config import ModelConfig
 class LoRASlots:
     """Adapter slot buffers for one fused projection group of one layer.
 
-    `a` is [S, R_g, in], where R_g stacks one `max_rank` block per targeted
-    member projection, so the "shrink" of a fused q/k/v (or gate/up) update is
-    one matmul. B is kept in block form (`blocks`, see
+    `a` is [S, R * T, in] for T targeted member projections, rank-major (row
+    r * T + t is rank r of member t), so the "shrink" of a fused q/k/v (or
+    gate/up) update is one matmul, and a batch whose adapters have rank r <= R
+    reads only the first r * T rows of each slot (no zero padding). B is kept in block form (`blocks`, see
     `clora_feedback.lora.ops.LoRAOutputBlock`): consecutive targeted members
     of equal output width share one [S, members, R, width] buffer of B^T, so a
     step reads no zeros and each slot's B^T streams contiguously. Members that
@@ -61,7 +62,7 @@ class LoRASlots:
         self.members = [(name, out) for name, out in members if name in chosen]
         self.max_rank = max_rank
         self.out_features = sum(out for _, out in members)
-        specs: list[list[int]] = []  # [column, rank, width, count] per block
+        specs: list[list[int]] = []  # [column, first member, width, count] per block
         self._place: dict[str, tuple[int, int]] = {}  # member -> (block, index in block)
         column, targeted, extend = 0, 0, False
         for name, out in members:
@@ -69,7 +70,7 @@ class LoRASlots:
                 if extend and specs[-1][2] == out:
                     specs[-1][3] += 1
                 else:
-                    specs.append([column, targeted * max_rank, out, 1])
+                    specs.append([column, targeted, out, 1])
                 self._place[name] = (len(specs) - 1, specs[-1][3] - 1)
                 targeted += 1
             extend = name in chosen
@@ -78,10 +79,10 @@ class LoRASlots:
         self.blocks = [
             LoRAOutputBlock(
                 col,
-                rank,
+                first,
                 torch.zeros(num_slots, count, max_rank, width, dtype=dtype, device=device),
             )
-            for col, rank, width, count in specs
+            for col, first, width, count in specs
         ]
 
     def write(
@@ -89,11 +90,12 @@ class LoRASlots:
     ) -> None:
         """Copy one adapter's matrices into `slot` (missing members stay zero)."""
         self.clear(slot)
+        rank_major = self.a[slot].view(self.max_rank, len(self.members), -1)
         for m, (name, _) in enumerate(self.members):
             if name in pieces:
                 a, b = pieces[name]
                 r = a.shape[0]
-                self.a[slot, m * self.max_rank : m * self.max_rank + r].copy_(a)
+                rank_major[:r, m].copy_(a)
                 block, j = self._place[name]
                 self.blocks[block].bt[slot, j, :r].copy_((b * scaling).t())
 
@@ -130,8 +132,11 @@ class _DecodeStep:
             layer's cache viewed as [rows*K*max_len, D].
         rows: the cache rows; `run` is its first row when they are consecutive.
         span: cache positions any row attends to.
-        bias: [B*K, 1, span] additive mask (-inf past each row's position), or None
-            when every row is at the same position.
+        bias: [B*K, 1, span] additive mask (-inf past each row's position, rows in
+            cache order when `to_run` is set), or None when every row is at the same position.
+        to_run, from_run: when the rows are a consecutive run in another order (the
+            batch sorted by adapter slot, see `LoRAModel.decode`): batch entry of each
+            run row, and run row of each batch entry; None when the batch is in run order.
     """
 
     cos: torch.Tensor
@@ -142,6 +147,8 @@ class _DecodeStep:
     span: int
     bias: torch.Tensor | None
     num_heads: int
+    to_run: torch.Tensor | None = None
+    from_run: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -158,13 +165,21 @@ class _DecodeStep:
         scale[: c.num_heads] = c.head_dim**-0.5
         cos = model.base.cos[positions].unsqueeze(1) * scale  # [B, H+K, D]
         sin = model._sin_signed[positions].unsqueeze(1) * scale
+        first = min(rows)
+        run = first if sorted(rows) == list(range(first, first + b)) else None
+        to_run = from_run = None
+        if run is not None and rows != list(range(run, run + b)):
+            from_run = row_index - run
+            to_run = torch.argsort(from_run)
         bias = None
         if min(pos) != span - 1:
-            beyond = torch.arange(span, device=device).unsqueeze(0) > positions.unsqueeze(1)
+            attending = positions if to_run is None else positions[to_run]
+            beyond = torch.arange(span, device=device).unsqueeze(0) > attending.unsqueeze(1)
             bias = torch.zeros(b, span, dtype=torch.float32, device=device)
             bias = bias.masked_fill_(beyond, float("-inf")).repeat_interleave(kv, 0).unsqueeze(1)
-        run = rows[0] if rows == list(range(rows[0], rows[0] + b)) else None
-        return cls(cos, sin, offsets.view(-1), row_index, run, span, bias, c.num_heads)
+        return cls(
+            cos, sin, offsets.view(-1), row_index, run, span, bias, c.num_heads, to_run, from_run
+        )
 
     def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k [B, K, D] and v [B, K*D] at each row's position."""
@@ -174,14 +189,22 @@ class _DecodeStep:
 
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] (pre-scaled) -> [B, H*D] attention output over each row's cache."""
-        b, heads, d = q.shape
-        kv = cache.k.shape[2]
+        b = q.shape[0]
         if self.run is not None:  # consecutive rows: a view, no copy
             keys = cache.k[layer, self.run : self.run + b, :, : self.span]
             values = cache.v[layer, self.run : self.run + b, :, : self.span]
+            if self.to_run is not None and self.from_run is not None:  # permute q, not the cache
+                out = self._attend(q.index_select(0, self.to_run), keys, values)
+                return out.index_select(0, self.from_run)
         else:
             keys = cache.k[layer, :, :, : self.span].index_select(0, self.rows)
             values = cache.v[layer, :, :, : self.span].index_select(0, self.rows)
+        return self._attend(q, keys, values)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D], keys/values [B, K, span, D] of the same rows -> [B, H*D]."""
+        b, heads, d = q.shape
+        kv = keys.shape[1]
         # Grouped-query attention as two batched matmuls over (row, kv head): the
         # heads sharing a kv head form the M dimension, so no key is repeated.
         q3 = q.reshape(b * kv, heads // kv, d)
@@ -212,9 +235,15 @@ class LoRAModel:
         self.device = base.device
         self.dtype = base.dtype
         self.num_slots = max_loras + 1
+        self.slot_ranks = [0] * self.num_slots  # rank of the adapter in each slot (0: none)
         self.max_lora_rank = max_lora_rank
         self.target_modules = tuple(target_modules)
         self.limits = base.lora_limits(max_lora_rank, self.target_modules)
+        self._dense = DenseKernels.build(
+            [{g: layer[g] for g, _ in GROUPS} for layer in base.layers], base.lm_head
+        )
+        # The dtype projections compute in (fp32 for `upcast`); adapter slots are kept in it.
+        self.compute_dtype = self._dense.compute_dtype
         shapes = self.config.projection_shapes()
         self.slots: list[dict[str, LoRASlots]] = []
         for _ in range(self.config.num_layers):
@@ -227,13 +256,10 @@ class LoRAModel:
                         shapes[members[0]][0],
                         self.num_slots,
                         max_lora_rank,
-                        self.dtype,
+                        self.compute_dtype,
                         self.device,
                     )
             self.slots.append(group_slots)
-        self._dense = DenseKernels.build(
-            [{g: layer[g] for g, _ in GROUPS} for layer in base.layers], base.lm_head
-        )
         # rotate_half(x) * sin == roll(x, D/2) * sin_signed: one roll instead of slice/neg/cat.
         half = self.config.head_dim // 2
         self._sin_signed = torch.cat((-base.sin[:, :half], base.sin[:, half:]), dim=-1)
@@ -272,34 +298,39 @@ class LoRAModel:
                         pair = weights.tensors.get(module_key(i, name))
                         if pair is not None:
                             pieces[name] = (
-                                pair[0].to(self.device, self.dtype),
-                                pair[1].to(self.device, self.dtype),
+                                pair[0].to(self.device, self.compute_dtype),
+                                pair[1].to(self.device, self.compute_dtype),
                             )
                     slots.write(slot, pieces, weights.scaling)
+            self.slot_ranks[slot] = max(
+                (a.shape[0] for a, _ in weights.tensors.values()), default=0
+            )
 
     def clear_slot(self, slot: int) -> None:
         with torch.no_grad():
             for group_slots in self.slots:
                 for slots in group_slots.values():
                     slots.clear(slot)
+            self.slot_ranks[slot] = 0
 
     # -- forward: serving fast path (inference only) ---------------------------------
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., hidden] -> [..., V] fp32 logits."""
         x = F.rms_norm(h, (h.shape[-1],), self.base.final_norm, self.config.rms_norm_eps)
-        return self._dense.lm_head(x).float()
+        return self._dense.lm_head(x.to(self.compute_dtype)).float()
 
     def _fast_proj(self, x: torch.Tensor, layer: int, group: str, lora: LoRABatch) -> torch.Tensor:
         """x [N, in] -> [N, out] for N tokens of `lora`'s rows; the same values as `clora_feedback.model.decoder.project`."""
-        y = self._dense.layers[layer][group](x)
+        xc = x.to(self.compute_dtype)  # a no-op unless the kernel is `upcast`
+        y = self._dense.layers[layer][group](xc)
         bias = self.base.bias(layer, group)
         if bias is not None:
             y += bias
         slots = self.slots[layer].get(group)
         if slots is not None:
-            add_lora_update_(y, x, slots.a, slots.blocks, lora)
-        return y
+            add_lora_update_(y, xc, slots.a, slots.blocks, lora)
+        return y.to(self.dtype)
 
     def _fast_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on [..., heads, D] with `sin` pre-signed (see `_sin_signed`)."""
@@ -324,7 +355,7 @@ class LoRAModel:
         c = self.config
         t = token_ids.shape[0]
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        lora = LoRABatch.from_slots([slot], self.device)
+        lora = LoRABatch.from_slots([slot], self.device, self.slot_ranks[slot])
         cos = self.base.cos[start : start + t].unsqueeze(1)  # [T, 1, D]
         sin = self._sin_signed[start : start + t].unsqueeze(1)
         mask = None
@@ -368,7 +399,10 @@ class LoRAModel:
 
         Args:
             token_ids: [B] the last sampled token of each sequence.
-            rows: B cache rows (ascending); a contiguous run is read as a view.
+            rows: B cache rows; a run of consecutive rows (in any order) is read as a view.
+                Rows not grouped by adapter slot are decoded in slot order (the LoRA
+                update then reads each slot in place, with no gather of the rows) and
+                the logits returned in the caller's order.
             positions: [B] position of each new token.
             lora: the adapter slot of each row.
             cache: KV cache.
@@ -376,6 +410,29 @@ class LoRAModel:
         Returns:
             [B, V] fp32 logits.
         """
+        if lora.rank is None:
+            used = set(lora.slot_ids.tolist()) if lora.uniform_slot is None else {lora.uniform_slot}
+            lora = LoRABatch(
+                lora.slot_ids, lora.uniform_slot, max(self.slot_ranks[s] for s in used)
+            )
+        order = lora.slot_order()
+        if order is not None:  # rows grouped by slot: the LoRA update needs no gather
+            inverse = torch.argsort(order)
+            logits = self._decode(
+                token_ids[order], [rows[i] for i in order.tolist()], positions[order],
+                lora.reordered(order), cache,
+            )  # fmt: skip
+            return logits.index_select(0, inverse)
+        return self._decode(token_ids, rows, positions, lora, cache)
+
+    def _decode(
+        self,
+        token_ids: torch.Tensor,
+        rows: list[int],
+        positions: torch.Tensor,
+        lora: LoRABatch,
+        cache: KVCache,
+    ) -> torch.Tensor:
         c = self.config
         b = token_ids.shape[0]
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim

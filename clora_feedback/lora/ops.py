@@ -73,18 +73,24 @@ class LoRABatch:
     Attributes:
         slot_ids: [B] int64 slot per row (0 = no adapter).
         uniform_slot: the slot shared by every row, or None when rows differ.
+        rank: the highest adapter rank among the rows' slots (their higher ranks
+            are zero padding, so the fast path reads only the first `rank`); None:
+            the slots' full rank.
     """
 
     slot_ids: torch.Tensor
     uniform_slot: int | None
+    rank: int | None = None
     # Per-batch derived values (mixing plan, masks per dtype), computed once and
     # shared by every projection of every layer in the step.
     _memo: dict[object, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_slots(cls, slots: list[int], device: torch.device | str = "cpu") -> LoRABatch:
+    def from_slots(
+        cls, slots: list[int], device: torch.device | str = "cpu", rank: int | None = None
+    ) -> LoRABatch:
         uniform = slots[0] if slots and all(s == slots[0] for s in slots) else None
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), uniform)
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), uniform, rank)
 
     @property
     def is_base_only(self) -> bool:
@@ -99,6 +105,32 @@ class LoRABatch:
             self._memo[key] = plan
         assert isinstance(plan, _MixPlan)
         return plan
+
+    def slot_order(self) -> torch.Tensor | None:
+        """[B] order of the rows that groups them by slot, when that makes the plan in order.
+
+        None when the rows share one slot, are already grouped (`mix_plan().in_order`),
+        or sorting would not help (uneven groups, base rows, gaps in the slot run: the
+        fast path gathers then anyway). A caller that reorders its rows so
+        (`reordered`) gets the in-place update, with no gather or scatter per projection.
+        """
+        if self.uniform_slot is not None:
+            return None
+        key = "order"
+        if key not in self._memo:
+            order = None
+            if not self.mix_plan().in_order:
+                ranked = torch.argsort(self.slot_ids, stable=True)
+                if _build_plan(self.slot_ids[ranked], 1).in_order:
+                    order = ranked
+            self._memo[key] = order
+        cached = self._memo[key]
+        assert cached is None or isinstance(cached, torch.Tensor)
+        return cached
+
+    def reordered(self, order: torch.Tensor) -> LoRABatch:
+        """The same batch with its rows taken in `order`."""
+        return LoRABatch(self.slot_ids[order], self.uniform_slot, self.rank)
 
     def mix_padding(self, plan: _MixPlan, dtype: torch.dtype) -> torch.Tensor:
         """[n, m, 1] multiplier zeroing the padding entries of `plan`."""
@@ -224,16 +256,20 @@ def lora_delta(
 class LoRAOutputBlock:
     """B of consecutive members of a fused projection that share an output width.
 
+    The matching A is rank-major: `a_slots` [S, R * T, in] for T targeted members,
+    row r * T + t holding rank r of member t, so an update of rank r <= R reads the
+    first r * T rows of each slot and the first r rows of each member's B^T.
+
     Attributes:
         column: first output column of the block in the fused projection.
-        rank: first shrink column (row of A) of the block's first member.
+        member: index (among the T targeted members) of the block's first member.
         bt: [S, members, R, width] B^T per slot and member, alpha/r folded in,
             ranks zero-padded to R; member j owns output columns
-            column + j*width ... and shrink columns rank + j*R ...
+            column + j*width ... and shrink columns r * T + member + j.
     """
 
     column: int
-    rank: int
+    member: int
     bt: torch.Tensor
 
     @property
@@ -252,13 +288,14 @@ class LoRAOutputBlock:
 def blocks_to_dense(
     blocks: Sequence[LoRAOutputBlock], out_features: int, rank: int
 ) -> torch.Tensor:
-    """The dense block-diagonal [S, out_features, rank] form of `blocks` (the reference)."""
+    """The dense [S, out_features, rank] form of `blocks` (the reference), `rank` = R * T."""
     first = blocks[0].bt
     dense = first.new_zeros(first.shape[0], out_features, rank)
+    targeted = rank // first.shape[2]
     for blk in blocks:
         for j in range(blk.members):
-            c, r = blk.column + j * blk.width, blk.rank + j * blk.max_rank
-            dense[:, c : c + blk.width, r : r + blk.max_rank] = blk.bt[:, j].transpose(1, 2)
+            c = blk.column + j * blk.width
+            dense[:, c : c + blk.width, blk.member + j :: targeted] = blk.bt[:, j].transpose(1, 2)
     return dense
 
 
@@ -283,30 +320,37 @@ def add_lora_update_(
     Args:
         y: [B, T, out] or [B, out] contiguous base projection output (modified).
         x: [B, T, in] or [B, in] activations.
-        a_slots: [S, R_g, in] stacked A matrices of every member.
+        a_slots: [S, R * T_g, in] rank-major A of every targeted member (see
+            `LoRAOutputBlock`).
         blocks: the output blocks of the members that carry LoRA weights.
-        batch: the slot of each of the B rows.
+        batch: the slot of each of the B rows, and the highest rank they use
+            (`LoRABatch.rank`: only the first `rank` ranks of each slot are read).
     """
-    if batch.uniform_slot == 0 or not blocks:
+    rank = batch.rank
+    if batch.uniform_slot == 0 or not blocks or rank == 0:
         return
     fan_in, fan_out = x.shape[-1], y.shape[-1]
+    full = blocks[0].max_rank
+    targeted = a_slots.shape[1] // full
+    r = full if rank is None else min(rank, full)
     x2 = x.reshape(-1, fan_in)
     y2 = y.view(-1, fan_out)
     if batch.uniform_slot is not None:
         slot = batch.uniform_slot
-        shrunk = x2 @ a_slots[slot].t()  # [N, R_g]
+        shrunk = (x2 @ a_slots[slot, : r * targeted].t()).view(-1, r, targeted)  # [N, r, T]
         for blk in blocks:
-            k, r, w = blk.members, blk.max_rank, blk.width
+            k, w = blk.members, blk.width
             cols = y2[:, blk.column : blk.column + k * w]
             if k == 1:
-                cols.addmm_(shrunk[:, blk.rank : blk.rank + r], blk.bt[slot, 0])
-            else:  # [k, N, R] @ [k, R, w] -> [k, N, w]
-                part = shrunk[:, blk.rank : blk.rank + k * r].view(-1, k, r).transpose(0, 1)
-                cols.view(-1, k, w).add_(torch.bmm(part, blk.bt[slot]).transpose(0, 1))
+                cols.addmm_(shrunk[:, :, blk.member], blk.bt[slot, 0, :r])
+            else:  # [k, N, r] @ [k, r, w] -> [k, N, w]
+                part = shrunk[:, :, blk.member : blk.member + k].permute(2, 0, 1)
+                update = torch.bmm(part, blk.bt[slot, :, :r])
+                cols.view(-1, k, w).add_(update.transpose(0, 1))
         return
     plan = batch.mix_plan(x2.shape[0] // batch.slot_ids.shape[0])
     n, m = plan.n, plan.m
-    a = _plan_slots(a_slots, plan)
+    a = _plan_slots(a_slots, plan)[:, : r * targeted]  # [n, r*T, in]
     if plan.in_order:  # rows already grouped by slot: no gather, accumulate in place
         grouped = x2.view(n, m, fan_in)
         target = y2
@@ -315,17 +359,16 @@ def add_lora_update_(
         if plan.padded is not None:
             grouped = grouped * batch.mix_padding(plan, x.dtype)
         target = y2.new_zeros(n * m, fan_out)
-    shrunk = torch.bmm(grouped, a.transpose(1, 2))  # [n, m, R_g]
+    shrunk = torch.bmm(grouped, a.transpose(1, 2)).view(n, m, r, targeted)
     for blk in blocks:
-        k, r, w = blk.members, blk.max_rank, blk.width
-        bt = _plan_slots(blk.bt, plan)  # [n, k, R, w]
+        k, w = blk.members, blk.width
+        bt = _plan_slots(blk.bt, plan)[:, :, :r]  # [n, k, r, w]
         cols = target[:, blk.column : blk.column + k * w].view(n, m, k, w)
         if k == 1:
-            cols[:, :, 0].add_(torch.bmm(shrunk[:, :, blk.rank : blk.rank + r], bt[:, 0]))
-        else:  # members as extra batch entries: [n*k, m, R] @ [n*k, R, w]
-            part = shrunk[:, :, blk.rank : blk.rank + k * r].reshape(n, m, k, r)
-            part = part.transpose(1, 2).reshape(n * k, m, r)
-            update = torch.bmm(part, bt.reshape(n * k, r, w)).view(n, k, m, w)
-            cols.add_(update.transpose(1, 2))
+            cols[:, :, 0].add_(torch.bmm(shrunk[:, :, :, blk.member], bt[:, 0]))
+        else:  # members as extra batch entries: [n*k, m, r] @ [n*k, r, w]
+            part = shrunk[:, :, :, blk.member : blk.member + k].permute(0, 3, 1, 2)
+            update = torch.bmm(part.reshape(n * k, m, r), bt.reshape(n * k, r, w))
+            cols.add_(update.view(n, k, m, w).transpose(1, 2))
     if not plan.in_order:
         y2.index_add_(0, plan.rows, target)

