@@ -191,16 +191,16 @@ async def test_the_vllm_body_carries_every_control_in_vllms_ranges(tiny_model_di
             logit_bias=((3, 100.0), (7, -1.5)),
             ignore_eos=True,
         )
-        body = engine._body(GenerationRequest("r", None, [5, 6], sp))
+        body = engine.completion_body(GenerationRequest("r", None, [5, 6], sp))
         # vLLM's seed is signed 64-bit and -1 means "unseeded": the top bit is dropped.
         assert body["seed"] == 2**63 - 1
         assert (body["top_k"], body["min_tokens"], body["ignore_eos"]) == (5, 2, True)
         assert (body["presence_penalty"], body["frequency_penalty"]) == (0.5, -0.25)
         assert body["logit_bias"] == {"3": 100.0, "7": -1.5}
-        plain = engine._body(GenerationRequest("p", None, [5, 6], SamplingParams(seed=0)))
+        plain = engine.completion_body(GenerationRequest("p", None, [5, 6], SamplingParams(seed=0)))
         assert plain["seed"] == 0 and not {"top_k", "logit_bias", "min_tokens"} & set(plain)
         with pytest.raises(InvalidRequestError) as err:
-            engine._body(
+            engine.completion_body(
                 GenerationRequest("v", None, [5], SamplingParams(logit_bias=((10**6, 1.0),)))
             )
         assert err.value.param == "logit_bias"
