@@ -82,6 +82,18 @@ def test_round_trip_preserves_every_field(store: TrajectoryStore) -> None:
     assert store.get("cmpl-2") == minimal
 
 
+def test_a_nul_in_generated_text_is_stored(store_url: str, store: TrajectoryStore) -> None:
+    """A random model can decode a NUL; PostgreSQL text cannot hold one (it was a 500)."""
+    record = make_record("cmpl-nul")
+    record.samples[0] = dataclasses.replace(record.samples[0], text="a\x00b")
+    record.request["messages"][0]["content"] = "x\x00y"
+    store.record(record)
+    got = store.get("cmpl-nul")
+    nul = "\ufffd" if store_url.startswith("postgresql") else "\x00"
+    assert got.samples[0].text == f"a{nul}b"
+    assert got.samples[0].completion_token_ids == record.samples[0].completion_token_ids
+
+
 def test_wal_mode_and_schema_version(tmp_path: Path) -> None:
     path = tmp_path / "t.db"
     TrajectoryStore(path, synchronous="FULL").close()

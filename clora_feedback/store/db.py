@@ -309,14 +309,26 @@ class _PostgresTx:
         self._conn = conn
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
-        cursor: Rows = self._conn.execute(_to_pyformat(sql), tuple(params))
+        cursor: Rows = self._conn.execute(_to_pyformat(sql), _storable(params))
         return cursor
 
     def executemany(self, sql: str, seq: Sequence[Sequence[Any]]) -> None:
-        rows = [tuple(r) for r in seq]
+        rows = [_storable(r) for r in seq]
         if rows:
             with self._conn.cursor() as cursor:
                 cursor.executemany(_to_pyformat(sql), rows)
+
+
+def _storable(params: Sequence[Any]) -> tuple[Any, ...]:
+    """`params` with every NUL in a string replaced by U+FFFD.
+
+    PostgreSQL text cannot hold NUL (SQLite can): a model may generate it and a
+    client may send it, and refusing the write would lose a completion or a feedback
+    event. The token ids stay exact; only the text of a NUL changes, on PostgreSQL.
+    """
+    return tuple(
+        p.replace("\x00", "\ufffd") if isinstance(p, str) and "\x00" in p else p for p in params
+    )
 
 
 class _PostgresDatabase:
