@@ -13,12 +13,31 @@ greedy, EOS ignored, `--new-tokens` tokens:
 3. 8 rows on 8 different adapters (row i: adapter i, prompt i): decode
    steps/s of the batch (its longest row's tokens after the first, over the
    time after its first content chunk; prefill excluded, see `http_workload`);
-4. the same 8 rows and prompts on one adapter, the same steps/s; ratio 3 / 4.
+4. the same 8 rows and prompts on one adapter, the same steps/s; ratio 3 / 4;
+6. 8 agents together vs one after another: agent i (adapter i) holds a
+   2-turn support chat, `--agent-tokens` tokens per turn (default 32, 16
+   with `--quick`: short replies after a long prompt, so prefill is a real
+   part of the work, not pure decode). Every agent has the same ~220-token
+   support-agent system prompt (`SYSTEM_PROMPT`) and its own question; turn 2
+   sends the conversation so far as chat messages (system, user, the
+   assistant's turn-1 text as streamed, a follow-up user message), as a chat
+   client does. The 8 episodes run all at once, then the same 8 one after
+   another (or the other way round, alternating by repetition); the figure
+   is serial wall time / together wall time. Each question carries a ticket
+   number fresh for every repetition and side, so no run reuses another
+   run's conversation, while the system prompt is warm for every adapter
+   (served once in the warm-up), as on a server that has answered that
+   agent before. Next to it: both wall times and the prefix-cache hit
+   fraction of each side, from the server's `/metrics` (the gateway's
+   `clora_engine_prefix_cache_{hits,misses}_total`, 16-token blocks;
+   vLLM's `vllm:prefix_cache_{hits,queries}_total`, tokens; none if the
+   server exposes neither). Both sides must generate the same completion
+   tokens (8 x 2 x `--agent-tokens`); a note says so otherwise.
 
 Repetitions go round the targets (every target's figures in turn, then the
-next repetition), the mixed and one-adapter batches swap order every
-repetition, and each ratio is the median of per-repetition ratios, so load
-that drifts during the run hits every side alike.
+next repetition; a line per target and repetition goes to stderr as it ends), the mixed and one-adapter batches and the two sides of 6
+swap order every repetition, and each ratio is the median of per-repetition
+ratios, so load that drifts during the run hits every side alike.
 
 Next to each figure, the roofline: bytes a decode step must move (every base
 weight once in the served dtype, each row's KV cache at its mean length, and
@@ -38,6 +57,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -46,9 +66,11 @@ from pathlib import Path
 import httpx
 
 from clora_feedback.bench.http_workload import (
+    EpisodeRun,
     StreamedBatch,
     base_model,
     batch,
+    episodes,
     load_adapters,
     unload_adapters,
 )
@@ -60,6 +82,28 @@ PROMPTS = tuple(
     for i, part in enumerate(("pedal", "chain", "saddle", "bell", "light", "lock", "pump", "tube"))
 )
 ROWS = len(PROMPTS)
+SYSTEM_PROMPT = (
+    "You are Riley, the customer support agent of Northwind Cycles, an online bicycle shop. "
+    "Answer in plain English, in at most five sentences, and be precise and friendly. "
+    "Policies: orders ship within two working days; a missing or damaged part is replaced "
+    "free of charge if it is reported within 30 days of delivery; returns are accepted within "
+    "30 days if the item is unused and in its original packaging; refunds reach the customer "
+    "within five working days of the return arriving at the warehouse. "
+    "Before promising anything, ask for the order number and, for damage, a photo. "
+    "Never promise a delivery date for a replacement part before the warehouse has confirmed "
+    "stock. Never share another customer's data. If the customer is upset, acknowledge it in one "
+    "sentence first. For safety questions about brakes, steering or the frame, tell the customer "
+    "to stop riding the bike until a mechanic has checked it. "
+    "When you cannot solve the problem, offer to hand the ticket to a human colleague, who answers "
+    "within one working day. Always end with exactly one concrete next step for the customer."
+)
+"""The system prompt every agent of figure 6 shares (218 tokens on the default model)."""
+FOLLOW_UPS = tuple(
+    f"The order number is #{1000 + i} and I attached a photo of the open box. When will the "
+    f"new {part} arrive, and do I have to send anything back?"
+    for i, part in enumerate(("pedal", "chain", "saddle", "bell", "light", "lock", "pump", "tube"))
+)
+SIDES = {"together": 1, "serial": 2}  # figure 6's two sides, and their digit in ticket numbers
 ADAPTER_RANK = 8
 MEMORY_BANDWIDTH_GBPS = 27.0  # copy bandwidth of the reference machines (docs/benchmarks.md)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -78,6 +122,7 @@ class Options:
         against_label: its name in the table.
         against_dtype: the dtype it serves (for its roofline bytes).
         new_tokens: tokens per request.
+        agent_tokens: tokens per agent turn (figure 6).
         reps: repetitions round the targets (medians kept).
         threads: torch threads of the embedded engines (None: all cores).
         json_path: also write the results here.
@@ -90,6 +135,7 @@ class Options:
     against_label: str
     against_dtype: str
     new_tokens: int
+    agent_tokens: int
     reps: int
     threads: int | None
     json_path: Path | None
@@ -118,6 +164,7 @@ def options_from(args: argparse.Namespace, *, quick: bool) -> Options:
         against_label=args.against_label,
         against_dtype=args.against_dtype,
         new_tokens=args.new_tokens or (32 if quick else 64),
+        agent_tokens=getattr(args, "agent_tokens", None) or (16 if quick else 32),
         reps=args.reps or (2 if quick else 4),
         threads=args.threads,
         json_path=args.json,
@@ -134,6 +181,7 @@ class Target:
     adapters: list[str] = field(default_factory=list)
     base: str = ""
     runs: dict[str, list[StreamedBatch]] = field(default_factory=dict)
+    episodes: dict[str, list[EpisodeRun]] = field(default_factory=dict)
 
     def rate(self, figure: str, rep: int) -> float:
         run = self.runs[figure][rep]
@@ -141,6 +189,31 @@ class Target:
 
     def median(self, figure: str) -> float:
         return statistics.median(self.rate(figure, i) for i in range(len(self.runs[figure])))
+
+    def episode_ratios(self) -> list[float]:
+        """Figure 6 per repetition: serial wall time / together wall time."""
+        pairs = zip(self.episodes["serial"], self.episodes["together"], strict=True)
+        return [s.wall_s / t.wall_s for s, t in pairs]
+
+
+def agent_turns(agent: int, ticket: str) -> list[str]:
+    """Agent `agent`'s two user turns in figure 6, its question tagged with `ticket`."""
+    return [f"Ticket {ticket}. {PROMPTS[agent]}", FOLLOW_UPS[agent]]
+
+
+def progress(t: Target) -> str:
+    """One line of `t`'s latest repetition (stderr), so a run cut short still shows its figures."""
+    rep = len(t.runs["single"]) - 1
+    figures = ", ".join(f"{f} {t.rate(f, rep):.2f}" for f in FIGURES)
+    together, serial = t.episodes["together"][rep], t.episodes["serial"][rep]
+    hits = [r.cache_hit_fraction for r in (serial, together)]
+    cache = "" if None in hits else f", prefix-cache hits {hits[0]:.0%} / {hits[1]:.0%}"
+    return (
+        f"[{t.label}, repetition {rep}] {figures}; 6.: {serial.wall_s:.1f} s / "
+        f"{together.wall_s:.1f} s = {serial.wall_s / together.wall_s:.2f}x "
+        f"({serial.tokens} / {together.tokens} completion tokens{cache}); "
+        f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
 
 
 def decode_step_bytes(
@@ -169,6 +242,14 @@ async def _measure_target(http: httpx.AsyncClient, t: Target, o: Options) -> Non
     plan += adapters if rep % 2 == 0 else adapters[::-1]
     for figure, requests in plan:
         t.runs.setdefault(figure, []).append(await batch(http, requests, o.new_tokens))
+    sides = list(SIDES.items()) if rep % 2 == 0 else list(SIDES.items())[::-1]
+    for side, digit in sides:
+        ticket = f"{rep:04d}-{digit}"  # fixed width: the same token count on both sides
+        chats = [(a, agent_turns(i, ticket)) for i, a in enumerate(t.adapters)]
+        run = await episodes(
+            http, chats, SYSTEM_PROMPT, o.agent_tokens, together=side == "together"
+        )
+        t.episodes.setdefault(side, []).append(run)
 
 
 async def _run_targets(targets: list[Target], peft: dict[str, Path], o: Options) -> None:
@@ -182,9 +263,12 @@ async def _run_targets(targets: list[Target], peft: dict[str, Path], o: Options)
             t.base = await base_model(http)
             await batch(http, list(zip(t.adapters, PROMPTS, strict=True)), 4)  # warm-up
             await batch(http, [(t.base, PROMPTS[0])], 4)
+            warm = [(a, agent_turns(i, "9999-0")[:1]) for i, a in enumerate(t.adapters)]
+            await episodes(http, warm, SYSTEM_PROMPT, 4, together=True)  # system prompt served
         for _ in range(o.reps):
             for http, t in zip(clients, targets, strict=True):
                 await _measure_target(http, t, o)
+                print(progress(t), file=sys.stderr, flush=True)
     finally:
         for http, t in zip(clients, targets, strict=True):
             await unload_adapters(http, t.adapters)
@@ -272,6 +356,7 @@ def table(targets: list[Target], config: ModelConfig, o: Options) -> tuple[str, 
         values[f"{t.label}:mixed_ratio"] = ratio
         cells.append(f"**{ratio:.2f}x**")
     lines.append("| 5. 8 adapters vs 1 adapter, same batch (3 / 4; goal >= 0.9x) | " + " | ".join(cells) + " |")  # fmt: skip
+    lines.append(f"| {episode_label(o)} | " + " | ".join(episode_cells(targets, values)) + " |")
     out = ["\n".join(lines)]
     if o.against is not None and len(targets) > 1:
         other = targets[-1]
@@ -285,8 +370,73 @@ def table(targets: list[Target], config: ModelConfig, o: Options) -> tuple[str, 
                 values[f"{t.label}:vs:{figure}"] = ratio
                 cells.append(f"**{ratio:.2f}x**")
             vs_lines.append(f"| {labels[figure]} (goal >= 1.0x) | " + " | ".join(cells) + " |")
+        cells = []
+        for t in targets[:-1]:
+            pairs = zip(other.episodes["together"], t.episodes["together"], strict=True)
+            ratio = statistics.median(b.wall_s / a.wall_s for b, a in pairs)
+            values[f"{t.label}:vs:episodes_together"] = ratio
+            cells.append(f"**{ratio:.2f}x**")
+        vs_lines.append(
+            f"| 6. 8 agents together, wall time ({other.label} / embedded) | "
+            + " | ".join(cells)
+            + " |"
+        )
         out.append("\n".join(vs_lines))
+    notes = episode_notes(targets, o)
+    if notes:
+        out.append("\n".join(notes))
     return "\n\n".join(out), values
+
+
+def episode_label(o: Options) -> str:
+    return (
+        f"6. 8 agents x 2 turns x {o.agent_tokens} tokens, one after another / together "
+        "(wall time; goal >= 4x)"
+    )
+
+
+def episode_cells(targets: list[Target], values: dict[str, float]) -> list[str]:
+    """Figure 6 of each target: the ratio, both wall times, both prefix-cache hit fractions."""
+    cells = []
+    for t in targets:
+        ratio = statistics.median(t.episode_ratios())
+        together = statistics.median(r.wall_s for r in t.episodes["together"])
+        serial = statistics.median(r.wall_s for r in t.episodes["serial"])
+        key = f"{t.label}:episodes"
+        values |= {f"{key}_ratio": ratio, f"{key}_together_s": together, f"{key}_serial_s": serial}
+        values[f"{key}_tokens"] = float(t.episodes["together"][0].tokens)
+        hits = []
+        for side in SIDES:
+            fractions = [r.cache_hit_fraction for r in t.episodes[side]]
+            if all(f is not None for f in fractions):
+                values[f"{key}_cache_hits_{side}"] = statistics.median(
+                    f for f in fractions if f is not None
+                )
+                hits.append(f"{values[f'{key}_cache_hits_{side}']:.0%}")
+        cache = f"; prefix-cache hits {' / '.join(hits)}" if hits else "; no prefix-cache counters"
+        cells.append(f"**{ratio:.2f}x** ({serial:.1f} s vs {together:.1f} s{cache})")
+    return cells
+
+
+def episode_notes(targets: list[Target], o: Options) -> list[str]:
+    """Where figure 6's two sides did not do the same work (completion or prompt tokens)."""
+    expected = ROWS * 2 * o.agent_tokens
+    notes = []
+    for t in targets:
+        pairs = zip(t.episodes["together"], t.episodes["serial"], strict=True)
+        for rep, (a, b) in enumerate(pairs):
+            if not a.tokens == b.tokens == expected:
+                notes.append(
+                    f"NOTE: {t.label}, repetition {rep}: figure 6 generated {a.tokens} completion "
+                    f"tokens together and {b.tokens} one after another (asked: {expected})"
+                )
+            if a.prompt_tokens != b.prompt_tokens:
+                notes.append(
+                    f"NOTE: {t.label}, repetition {rep}: figure 6 prompts were {a.prompt_tokens} "
+                    f"tokens together and {b.prompt_tokens} one after another (the turn-1 replies "
+                    "differ, so turn 2's prompts do)"
+                )
+    return notes
 
 
 def run(o: Options, facts: dict[str, str]) -> int:
@@ -296,7 +446,8 @@ def run(o: Options, facts: dict[str, str]) -> int:
     facts["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     facts["benchmark wall time"] = f"{time.perf_counter() - start:.0f} s"
     facts["settings"] = (
-        f"{o.model}, {o.new_tokens} new tokens/request, {o.reps} repetition(s), "
+        f"{o.model}, {o.new_tokens} new tokens/request ({o.agent_tokens}/turn in 6.), "
+        f"{o.reps} repetition(s), "
         f"8 random rank-{ADAPTER_RANK} PEFT adapters (all 7 projections) per target"
         + (f", against {o.against}" if o.against else "")
     )
@@ -306,8 +457,18 @@ def run(o: Options, facts: dict[str, str]) -> int:
     for key, value in facts.items():
         print(f"- {key}: {value}")
     if o.json_path is not None:
-        raw = {t.label: {f: [r.decode_steps_per_s if f in ("mixed", "one") else r.tokens_per_s
-                             for r in t.runs[f]] for f in FIGURES} for t in targets}  # fmt: skip
+        raw: dict[str, dict[str, object]] = {}
+        for t in targets:
+            raw[t.label] = {
+                f: [r.decode_steps_per_s if f in ("mixed", "one") else r.tokens_per_s
+                    for r in t.runs[f]] for f in FIGURES
+            }  # fmt: skip
+            raw[t.label] |= {
+                f"episodes_{side}": [
+                    {"wall_s": r.wall_s, "tokens": r.tokens, "prompt_tokens": r.prompt_tokens,
+                     "cache": r.cache} for r in t.episodes[side]
+                ] for side in SIDES
+            }  # fmt: skip
         o.json_path.write_text(
             json.dumps({"facts": facts, "results": values, "runs": raw}, indent=2)
         )
