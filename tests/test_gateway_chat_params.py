@@ -148,11 +148,16 @@ def test_bad_guided_json_is_refused(module_gateway: GatewayServer) -> None:
     assert refused(module_gateway, both) == "guided_json"
 
 
+# OpenAI's metadata limits (16 keys, 512-character values) make a body over 8 KiB whose
+# prompt is still tiny: the size decision reads the body's bytes, not its tokens.
+BIG_BODY_METADATA = {f"k{i}": "x" * 512 for i in range(16)}
+
+
 def test_tokenizing_a_prompt_leaves_the_event_loop_free(
     module_gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While one prompt is being rendered, /health still answers (no timing is asserted:
-    the rendering blocks until /health has answered)."""
+    """While a big request's prompt is being rendered, /health still answers (no timing is
+    asserted: the rendering blocks until /health has answered)."""
     tokenizer = module_gateway.engine.tokenizer
     original = tokenizer.apply_chat_template
     entered, release = threading.Event(), threading.Event()
@@ -167,7 +172,7 @@ def test_tokenizing_a_prompt_leaves_the_event_loop_free(
 
     def chat() -> None:
         result["reply"] = module_gateway.openai().chat.completions.create(
-            model="support", messages=HI, max_tokens=2
+            model="support", messages=HI, max_tokens=2, metadata=BIG_BODY_METADATA
         )
 
     worker = threading.Thread(target=chat)
@@ -182,6 +187,30 @@ def test_tokenizing_a_prompt_leaves_the_event_loop_free(
         release.set()
         worker.join(timeout=60)
     assert result["reply"].choices[0].message.role == "assistant"
+
+
+def test_small_prompts_render_on_the_loop_big_ones_on_the_tokenizing_thread(
+    module_gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short chat skips the thread hop (it costs more than the rendering); a body over
+    `INLINE_MAX_BYTES` still goes to the tokenizing thread."""
+    tokenizer = module_gateway.engine.tokenizer
+    original = tokenizer.apply_chat_template
+    threads: list[str] = []
+
+    def recording_template(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recording_template)
+    client = module_gateway.openai()
+    client.chat.completions.create(model="support", messages=HI, max_tokens=1)
+    client.chat.completions.create(
+        model="support", messages=HI, max_tokens=1, metadata=BIG_BODY_METADATA
+    )
+    assert len(threads) == 2
+    assert not threads[0].startswith("clora-tokenize")
+    assert threads[1].startswith("clora-tokenize")
 
 
 def test_openai_client_sends_them_through(module_gateway: GatewayServer) -> None:

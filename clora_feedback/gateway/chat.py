@@ -147,13 +147,22 @@ class ChatHandler:
         self._pieces = TokenPieces(engine.tokenizer)
 
     async def create(
-        self, body: ChatCompletionRequest, principal: Principal, request: Request
+        self,
+        body: ChatCompletionRequest,
+        principal: Principal,
+        request: Request,
+        *,
+        size: int | None = None,
     ) -> Any:
-        """Answer one request: a JSON-able dict, or an `SSEResponse` when streaming."""
+        """Answer one request: a JSON-able dict, or an `SSEResponse` when streaming.
+
+        `size`: the bytes the prompt is rendered from, when known (the HTTP body of a chat
+        request); a small one is rendered on the event loop (`off_loop`).
+        """
         route = self._agents.resolve(body.model)
         principal.check_model(body.model, route.agent)
         # Rendering and tokenising a big prompt takes a while: keep the event loop free.
-        prompt = await off_loop(lambda: self._prepare(body))
+        prompt = await off_loop(lambda: self._prepare(body), size=size)
         param, max_tokens = body.max_tokens_param
         sampling = plan_sampling(
             prompt_len=len(prompt.token_ids),

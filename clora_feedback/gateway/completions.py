@@ -62,7 +62,7 @@ class CompletionHandler:
         text = body.prompt_text
         if text is not None:
             encode = self._engine.tokenizer.encode  # a big prompt: off the event loop
-            prompt_ids = list(await off_loop(lambda: encode(text)))
+            prompt_ids = list(await off_loop(lambda: encode(text), size=len(text)))
         else:
             prompt_ids = body.prompt_token_ids
         sampling = plan_sampling(

@@ -45,6 +45,7 @@ from clora_feedback.gateway.auth import (
 from clora_feedback.gateway.chat import ChatHandler
 from clora_feedback.gateway.completions import CompletionHandler
 from clora_feedback.gateway.metrics import Metrics
+from clora_feedback.gateway.offload import body_size
 from clora_feedback.gateway.responses import ResponsesHandler
 from clora_feedback.gateway.sse import ClientDisconnected
 from clora_feedback.schemas.openai import (
@@ -100,7 +101,8 @@ router = APIRouter()
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, principal: AnyKey
 ) -> Response:
-    return await _answer(_state(request).chat.create(body, principal, request))
+    chat = _state(request).chat
+    return await _answer(chat.create(body, principal, request, size=body_size(request)))
 
 
 @router.post("/v1/completions")

@@ -7,6 +7,9 @@ the same directory loads in `peft.PeftModel.from_pretrained` and in vLLM.
 
 The config is validated against the engine's `LoRALimits` before any tensor
 is read, so a wrong adapter costs a JSON parse, not a tensor load.
+`check_peft_adapter` goes no further than the safetensors header (names,
+shapes, dtypes, a file that covers them): for an engine that reads the
+tensors itself (vLLM), where the full load would only be thrown away.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from clora_feedback.errors import AdapterError
@@ -132,6 +135,58 @@ def load_peft_adapter(path: Path, *, limits: LoRALimits | None = None) -> LoRAWe
     if limits is not None:
         weights.validate(limits)
     return weights
+
+
+_FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def check_peft_adapter(path: Path, *, limits: LoRALimits) -> int:
+    """Check a PEFT directory against `limits` from its config and the safetensors header
+    only: every tensor a LoRA A or B of a served projection, both halves present, shapes
+    `[r, in]` and `[out, r]`, a floating dtype, and a file that covers every tensor (a
+    truncated one fails). No tensor data is read, so values (finite or not) are the
+    writer's promise: the trainer refuses non-finite weights before it publishes, and
+    `load_peft_adapter` checks them for directories from elsewhere. Returns the rank.
+
+    Raises:
+        AdapterError: as `load_peft_adapter`, but for values.
+    """
+    config = read_adapter_config(path)
+    rank = int(config["r"])
+    check_config(rank, [str(t).rsplit(".", 1)[-1] for t in config["target_modules"]], limits)
+    weights_path = Path(path) / WEIGHTS_NAME
+    if not weights_path.is_file():
+        raise AdapterError(f"{weights_path} is missing")
+    halves: dict[str, dict[str, tuple[int, ...]]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                match = _PEFT_KEY.match(name)
+                if match is None:
+                    raise AdapterError(f"unexpected tensor {name!r} in {weights_path}")
+                view = f.get_slice(name)
+                if view.get_dtype() not in _FLOAT_DTYPES:
+                    raise AdapterError(f"{name}: dtype {view.get_dtype()} is not floating point")
+                halves.setdefault(match.group(1), {})[match.group(2)] = tuple(view.get_shape())
+    except (SafetensorError, OSError) as exc:
+        raise AdapterError(f"cannot read {weights_path}: {exc}") from exc
+    if not halves:
+        raise AdapterError(f"{weights_path} holds no LoRA tensors")
+    for key, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{key}: needs both lora_A and lora_B")
+        layer, module = parse_module_key(key)
+        if layer >= limits.num_layers:
+            raise AdapterError(f"{key}: layer {layer} >= model layers {limits.num_layers}")
+        if module not in limits.shapes:
+            raise AdapterError(f"{key}: {module} is not a projection this engine serves")
+        fan_in, fan_out = limits.shapes[module]
+        if pair["A"] != (rank, fan_in) or pair["B"] != (fan_out, rank):
+            raise AdapterError(
+                f"{key}: expected A {(rank, fan_in)} and B {(fan_out, rank)}, "
+                f"got {pair['A']} and {pair['B']}"
+            )
+    return rank
 
 
 def save_peft_adapter(weights: LoRAWeights, path: Path, *, base_model: str) -> None:
