@@ -8,14 +8,13 @@ output as OpenAI/vLLM define. The official client sends the vLLM extensions in
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
+from aiohttp import web
 from transformers import AutoTokenizer
+from vllm_stand_in import serve, start_up_answer
 
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.types import GenerationRequest, SamplingParams
@@ -147,62 +146,43 @@ def test_vllm_extensions_are_honoured(module_gateway: GatewayServer, route: str)
 # ---------------------------------------------------------------- the vLLM engine's request body
 
 
-def _vllm_start_answers(tokenizer: Any) -> Any:
-    """What a vLLM server answers at start-up: one model, its tokenizer, processed logprobs."""
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/health":
-            return httpx.Response(200)
-        if path == "/metrics":
-            return httpx.Response(404)
-        if path == "/v1/models":
-            entry = {"id": "tiny", "root": "/elsewhere", "parent": None, "max_model_len": 2048}
-            return httpx.Response(200, json={"data": [entry]})
-        if path == "/tokenize":
-            prompt = json.loads(request.content)["prompt"]
-            return httpx.Response(
-                200, json={"tokens": tokenizer.encode(prompt, add_special_tokens=False)}
-            )
-        scale = 1.0 / json.loads(request.content)["temperature"]  # the logprobs-mode probe
-        logits = [2.0 * scale, 1.0 * scale, 0.0]
-        norm = math.log(sum(math.exp(x) for x in logits))
-        top = {f"token_id:{i}": x - norm for i, x in enumerate(logits)}
-        return httpx.Response(200, json={"choices": [{"logprobs": {"top_logprobs": [top]}}]})
-
-    return httpx.MockTransport(handler)
-
-
 async def test_the_vllm_body_carries_every_control_in_vllms_ranges(tiny_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    config = EngineConfig(kind="vllm", vllm={"urls": ["http://vllm.test"]})  # type: ignore[arg-type]
-    engine = VLLMEngine(
-        tiny_model_dir, config, model_name="t", transport=_vllm_start_answers(tokenizer)
-    )
-    await engine.start()
-    try:
-        sp = SamplingParams(
-            max_tokens=8,
-            seed=2**64 - 1,
-            top_k=5,
-            min_tokens=2,
-            presence_penalty=0.5,
-            frequency_penalty=-0.25,
-            logit_bias=((3, 100.0), (7, -1.5)),
-            ignore_eos=True,
-        )
-        body = engine.completion_body(GenerationRequest("r", None, [5, 6], sp))
-        # vLLM's seed is signed 64-bit and -1 means "unseeded": the top bit is dropped.
-        assert body["seed"] == 2**63 - 1
-        assert (body["top_k"], body["min_tokens"], body["ignore_eos"]) == (5, 2, True)
-        assert (body["presence_penalty"], body["frequency_penalty"]) == (0.5, -0.25)
-        assert body["logit_bias"] == {"3": 100.0, "7": -1.5}
-        plain = engine.completion_body(GenerationRequest("p", None, [5, 6], SamplingParams(seed=0)))
-        assert plain["seed"] == 0 and not {"top_k", "logit_bias", "min_tokens"} & set(plain)
-        with pytest.raises(InvalidRequestError) as err:
-            engine.completion_body(
-                GenerationRequest("v", None, [5], SamplingParams(logit_bias=((10**6, 1.0),)))
+
+    async def start_up(request: web.Request) -> web.Response:  # a vLLM server's start-up answers
+        answer = await start_up_answer(request, tokenizer)
+        assert answer is not None, request.path
+        return answer
+
+    async with serve(start_up) as url:
+        config = EngineConfig(kind="vllm", vllm={"urls": [url]})  # type: ignore[arg-type]
+        engine = VLLMEngine(tiny_model_dir, config, model_name="t")
+        await engine.start()
+        try:
+            sp = SamplingParams(
+                max_tokens=8,
+                seed=2**64 - 1,
+                top_k=5,
+                min_tokens=2,
+                presence_penalty=0.5,
+                frequency_penalty=-0.25,
+                logit_bias=((3, 100.0), (7, -1.5)),
+                ignore_eos=True,
             )
-        assert err.value.param == "logit_bias"
-    finally:
-        await engine.stop()
+            body = engine.completion_body(GenerationRequest("r", None, [5, 6], sp))
+            # vLLM's seed is signed 64-bit and -1 means "unseeded": the top bit is dropped.
+            assert body["seed"] == 2**63 - 1
+            assert (body["top_k"], body["min_tokens"], body["ignore_eos"]) == (5, 2, True)
+            assert (body["presence_penalty"], body["frequency_penalty"]) == (0.5, -0.25)
+            assert body["logit_bias"] == {"3": 100.0, "7": -1.5}
+            plain = engine.completion_body(
+                GenerationRequest("p", None, [5, 6], SamplingParams(seed=0))
+            )
+            assert plain["seed"] == 0 and not {"top_k", "logit_bias", "min_tokens"} & set(plain)
+            with pytest.raises(InvalidRequestError) as err:
+                engine.completion_body(
+                    GenerationRequest("v", None, [5], SamplingParams(logit_bias=((10**6, 1.0),)))
+                )
+            assert err.value.param == "logit_bias"
+        finally:
+            await engine.stop()

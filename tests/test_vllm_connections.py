@@ -6,14 +6,18 @@ request opened a new one and vLLM saw every client leave. The engine now reads
 a finished stream to its end after the final output went out, and still closes
 at once a stream it stops itself (a stop string), which is what makes vLLM stop.
 
-The first test runs on real sockets (a small vLLM stand-in on uvicorn, whose
-answers are the shapes the real server sends) and counts the client ports
-vLLM saw; the second watches how far the engine reads each stream
-(`httpx.MockTransport`). No timings.
+The first test runs on a small vLLM stand-in on uvicorn (vLLM's own server),
+whose answers are the shapes the real server sends, and counts the client
+ports vLLM saw; the others run on the loopback stand-in of `vllm_stand_in`
+(aiohttp's server, which cancels a request whose client left, as vLLM aborts
+it) and watch which streams keep their connection and which are closed. No
+timings.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import socket
@@ -23,18 +27,20 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import uvicorn
+from aiohttp import web
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
+from vllm_stand_in import client_port, serve, sse, start_up_answer
 
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.engine.vllm import VLLMEngine
+from clora_feedback.engine.vllm.client import VLLMClient
 
 
 def _models() -> dict[str, Any]:
@@ -56,9 +62,9 @@ def _chunk(token_ids: list[int], finish: str | None) -> str:
     return f"data: {json.dumps({'choices': [choice]})}\n\n"
 
 
-def _engine(model_dir: Path, url: str, transport: httpx.AsyncBaseTransport | None = None) -> Any:
+def _engine(model_dir: Path, url: str) -> Any:
     config = EngineConfig(kind="vllm", vllm={"urls": [url]}, max_model_len=512)
-    return VLLMEngine(model_dir, config, model_name="t", transport=transport)
+    return VLLMEngine(model_dir, config, model_name="t")
 
 
 @pytest.fixture
@@ -134,40 +140,84 @@ async def test_a_finished_stream_is_read_to_its_end_and_a_stream_stopped_here_is
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     ab = list(tokenizer.encode("ab", add_special_tokens=False))
-    resumed: dict[int, int] = {}  # per prompt: how many of its 3 events the reader went past
+    ports: dict[int, int] = {}  # per prompt: the client port its stream came on
+    left = asyncio.Event()  # the client of prompt 71 closed its stream midway
 
-    async def events(key: int) -> AsyncIterator[bytes]:
-        resumed[key] = 0
-        for event in (_chunk(ab, None), _chunk(ab, "length"), "data: [DONE]\n\n"):
-            yield event.encode()
-            resumed[key] += 1  # runs only when the reader asks for more
+    async def events(key: int) -> AsyncIterator[str]:
+        yield _chunk(ab, None)
+        if key == 71:  # the engine stops this one at its stop string "b"
+            await asyncio.Event().wait()  # until the client leaves
+        yield _chunk(ab, "length") + "data: [DONE]\n\n"
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/health":
-            return httpx.Response(200)
-        if path == "/metrics":
-            return httpx.Response(404)
-        if path == "/v1/models":
-            return httpx.Response(200, json=_models())
-        body = json.loads(request.content)
-        if path == "/tokenize":
-            ids = tokenizer.encode(body["prompt"], add_special_tokens=False)
-            return httpx.Response(200, json={"tokens": ids})
-        if not body.get("stream"):
-            return httpx.Response(200, json=_probe(body["temperature"]))
-        return httpx.Response(200, content=events(body["prompt"][0]))
+    async def handler(request: web.Request) -> web.StreamResponse:
+        answer = await start_up_answer(request, tokenizer, max_model_len=512)
+        if answer is not None:
+            return answer
+        key = (await request.json())["prompt"][0]
+        ports[key] = client_port(request)
+        try:
+            return await sse(request, events(key))
+        except asyncio.CancelledError:
+            left.set()
+            raise
 
-    engine = _engine(tiny_model_dir, "http://vllm.test", httpx.MockTransport(handler))
-    await engine.start()
-    try:
-        finished = GenerationRequest("full", None, [70], SamplingParams(max_tokens=4))
-        chunks = [c async for c in engine.add_request(finished)]
-        assert chunks[-1].finish_reason == "length"
-        stopped = GenerationRequest("cut", None, [71], SamplingParams(max_tokens=4, stop=("b",)))
-        chunks = [c async for c in engine.add_request(stopped)]
-        assert chunks[-1].finish_reason == "stop" and "".join(c.text for c in chunks) == "a"
-    finally:
-        await engine.stop()
-    assert resumed[70] == 3  # past `[DONE]`: the body's end was read
-    assert resumed[71] == 0  # closed at the first chunk: vLLM is told to stop
+    async with serve(handler) as url:
+        engine = _engine(tiny_model_dir, url)
+        await engine.start()
+        try:
+            finished = GenerationRequest("full", None, [70], SamplingParams(max_tokens=4))
+            chunks = [c async for c in engine.add_request(finished)]
+            assert chunks[-1].finish_reason == "length"
+            sp = SamplingParams(max_tokens=4, stop=("b",))
+            chunks = [c async for c in engine.add_request(GenerationRequest("cut", None, [71], sp))]
+            assert chunks[-1].finish_reason == "stop" and "".join(c.text for c in chunks) == "a"
+            await asyncio.wait_for(left.wait(), 60)  # a guard against a hang, not a timing
+        finally:
+            await engine.stop()
+    assert ports[71] == ports[70]  # the finished stream was read to its end: its connection
+    # went back to the pool (the only one idle: the start-up calls each read theirs to the end)
+
+
+async def test_a_stream_closed_or_cancelled_midway_closes_its_connection() -> None:
+    ports: list[int] = []  # the client port of each stream, in order
+    left: asyncio.Queue[int] = asyncio.Queue()  # the ports whose client left midway
+    go_on = asyncio.Event()
+
+    async def events() -> AsyncIterator[str]:
+        yield _chunk([5], None)
+        await go_on.wait()
+        yield _chunk([6], "length") + "data: [DONE]\n\n"
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        port = client_port(request)
+        ports.append(port)
+        try:
+            return await sse(request, events())
+        except asyncio.CancelledError:
+            left.put_nowait(port)
+            raise
+
+    async def read_on(client: VLLMClient, first: asyncio.Event) -> None:
+        async for _ in client.stream({"stream": True}):
+            first.set()  # then it waits inside the stream for the next chunk
+
+    async with serve(handler) as url:
+        client = VLLMClient(url)
+        try:
+            async with contextlib.aclosing(client.stream({"stream": True})) as chunks:
+                await anext(chunks)  # closed after its first chunk
+            assert await asyncio.wait_for(left.get(), 60) == ports[0]  # a guard, not a timing
+            first = asyncio.Event()
+            task = asyncio.get_running_loop().create_task(read_on(client, first))
+            await asyncio.wait_for(first.wait(), 60)
+            task.cancel()  # cancelled while it waits for its second chunk
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            assert await asyncio.wait_for(left.get(), 60) == ports[1]
+            go_on.set()
+            whole = [c["choices"][0]["token_ids"] async for c in client.stream({"stream": True})]
+            again = [c["choices"][0]["token_ids"] async for c in client.stream({"stream": True})]
+        finally:
+            await client.close()
+    assert whole == again == [[5], [6]]
+    assert len(set(ports[:3])) == 3 and ports[3] == ports[2]  # two closed, then one kept

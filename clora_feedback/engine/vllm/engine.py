@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from clora_feedback.config import EngineConfig
@@ -82,7 +81,7 @@ from clora_feedback.errors import (
     NotFoundError,
     OverloadedError,
 )
-from clora_feedback.lora.peft_io import load_peft_adapter
+from clora_feedback.lora.peft_io import check_peft_adapter
 from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.model.config import ModelConfig
 
@@ -120,7 +119,6 @@ class VLLMEngine:
             read from it); the servers must serve the same model.
         config: the engine settings (`config.vllm` names the servers).
         model_name: the public name of the base model (`/v1/models`).
-        transport: an httpx transport instead of the network (tests; shared by replicas).
         supervisor: a local server to start first and stop last (its URL is the replica).
     """
 
@@ -130,7 +128,6 @@ class VLLMEngine:
         config: EngineConfig,
         *,
         model_name: str | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
         supervisor: VLLMSupervisor | None = None,
     ) -> None:
         urls = list(config.vllm.urls) or ([supervisor.url] if supervisor is not None else [])
@@ -165,7 +162,6 @@ class VLLMEngine:
         self._names = AdapterNames()
         self._replicas: ReplicaSet | None = None
         self._health: asyncio.Task[None] | None = None
-        self._transport = transport
         self._served_model = config.vllm.served_model_name or ""
         self._flights: dict[str, _Flight] = {}
         self._unloads: set[asyncio.Task[None]] = set()  # unloads and health checks under way
@@ -259,7 +255,6 @@ class VLLMEngine:
             api_key=cfg.api_key,
             connect_timeout_s=cfg.connect_timeout_s,
             read_timeout_s=cfg.read_timeout_s,
-            transport=self._transport,
         )
 
     async def stop(self) -> None:
@@ -544,15 +539,17 @@ class VLLMEngine:
         """Load `ref.path` under a fresh name; new requests get it once a server has it.
 
         It is loaded on the agent's home replica and on every replica its previous
-        version is loaded on (elsewhere on first use). The directory is validated here
-        first (against `lora_limits`), and must be readable by the servers at the same
+        version is loaded on (elsewhere on first use). The directory is checked here
+        first against `lora_limits` from its config and safetensors header
+        (`check_peft_adapter`: vLLM reads the tensors itself; values were checked where
+        the version was made, by the trainer or the registry's import), and must be readable by the servers at the same
         path (same machine or shared storage): a server that cannot read it refuses it.
         """
         replicas = self._started()
         if ref.path is None:
             raise AdapterError(f"adapter {ref.agent} v{ref.version} has no directory to load")
         path = Path(ref.path).resolve()
-        await asyncio.to_thread(load_peft_adapter, path, limits=self._limits)
+        await asyncio.to_thread(check_peft_adapter, path, limits=self._limits)
         async with self._adapter_lock:
             live = self._names.live(ref.agent)
             if live is not None and live.version == ref.version and live.path == path:
