@@ -28,14 +28,16 @@ def test_serve_bench_on_vllm_runs_every_measurement(
         "--model",
         str(vllm_server.model_dir),
     ]
-    argv += ["--new-tokens", "4", "--streams", "2", "--latency-reps", "2", "--publishes", "1"]
+    argv += ["--new-tokens", "4", "--streams", "2", "--latency-reps", "2", "--publishes", "1",
+             "--throughput-reps", "1"]  # fmt: skip
     assert run_bench("serve", [*argv, "--json", str(tmp_path / "vllm.json")]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip()[:2] for r in rows[1:]] == ["1.", "1.", "2.", "3."]
+    assert [r.split("|")[1].strip()[:2] for r in rows[1:]] == ["1.", "1.", "2.", "3.", "3."]
     results = json.loads((tmp_path / "vllm.json").read_text())
     keys = ("throughput_ratio", "adapters_ratio", "write_ms", "load_ms", "first_token_ms",
             "ttft_floor_ms")  # fmt: skip
     for key in keys:
         assert results[key] > 0
+    assert results["added_p50_low_ms"] <= results["added_p50_ms"] <= results["added_p50_high_ms"]
     # the direct baseline's prompt is the one the gateway sent (a chat template, not 2 tokens)
     assert results["prompt_tokens"] > 8

@@ -6,20 +6,24 @@ on transformers 5 that is a `BatchEncoding`, and its list is its keys, so vLLM
 got the two text prompts `"input_ids"` and `"attention_mask"` (two choices of a
 few tokens) instead of the gateway's 52-token prompt. The missing prefill read
 as a fixed ~1.2 s "gateway gap". These tests pin the baseline to the prompt ids
-the gateway recorded and to the body the engine sends; vLLM is an
-`httpx.MockTransport` that reads prompts the way the real server does (a list of
-ints is one prompt, a list of strings is one prompt each).
+the gateway recorded and to the body the engine sends; vLLM is a loopback
+stand-in (`vllm_stand_in.serve`) that reads prompts the way the real server does
+(a list of ints is one prompt, a list of strings is one prompt each).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
+from aiohttp import web
+from vllm_stand_in import serve
 
 from clora_feedback.bench import vllm_serve
 from clora_feedback.config import EngineConfig
@@ -39,11 +43,18 @@ def engine(tiny_model_dir: Path) -> VLLMEngine:
     return VLLMEngine(tiny_model_dir, config)
 
 
-def _gateway(recorded: dict[str, list[int]], store: TrajectoryStore) -> httpx.AsyncClient:
+@contextlib.asynccontextmanager
+async def _session(handler: Any) -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session on a loopback server answering every request with `handler`."""
+    async with serve(handler) as url, aiohttp.ClientSession(url) as session:
+        yield session
+
+
+def _gateway(recorded: dict[str, list[int]], store: TrajectoryStore) -> Any:
     """A gateway stand-in that records each chat completion's prompt ids, like the real one."""
 
-    def reply(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    async def reply(request: web.Request) -> web.Response:
+        body = await request.json()
         prompt = body["messages"][0]["content"]
         cid = f"chatcmpl-{len(recorded)}"
         recorded[cid] = [3 + (ord(c) % 50) for c in prompt]  # any ids, distinct per prompt
@@ -51,25 +62,25 @@ def _gateway(recorded: dict[str, list[int]], store: TrajectoryStore) -> httpx.As
         store.record(
             TrajectoryRecord(cid, "bench", 0, "chat", body, recorded[cid], [sample], time.time())
         )
-        return httpx.Response(200, json={"id": cid, "usage": {"completion_tokens": 1}})
+        return web.json_response({"id": cid, "usage": {"completion_tokens": 1}})
 
-    return httpx.AsyncClient(base_url="http://gw.test", transport=httpx.MockTransport(reply))
+    return _session(reply)
 
 
-def _vllm(seen: list[dict[str, Any]]) -> httpx.AsyncClient:
+def _vllm(seen: list[dict[str, Any]]) -> Any:
     """vLLM's `/v1/completions` as it reads prompts: ids are one prompt, strings one each."""
 
-    def reply(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    async def reply(request: web.Request) -> web.Response:
+        body = await request.json()
         seen.append(body)
         prompt = body["prompt"]
         one = all(isinstance(t, int) for t in prompt)
         prompts = [prompt] if one else [[1, 2] for _ in prompt]  # a text prompt: 2 tokens here
         choices = [{"index": i, "text": "a", "token_ids": [9]} for i in range(len(prompts))]
         usage = {"prompt_tokens": sum(len(p) for p in prompts)}
-        return httpx.Response(200, json={"choices": choices, "usage": usage})
+        return web.json_response({"choices": choices, "usage": usage})
 
-    return httpx.AsyncClient(base_url="http://vllm.test", transport=httpx.MockTransport(reply))
+    return _session(reply)
 
 
 async def test_the_direct_baseline_sends_the_gateways_recorded_prompt_ids_in_the_engines_body(
@@ -110,11 +121,16 @@ async def test_a_streamed_direct_reply_with_a_second_choice_is_refused() -> None
         {"choices": [{"index": 1, "token_ids": [6]}]},
     ]
     sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=sse))
-    async with httpx.AsyncClient(base_url="http://vllm.test", transport=transport) as http:
+
+    def answer(text: str) -> Any:
+        async def reply(request: web.Request) -> web.Response:
+            return web.Response(text=text, content_type="text/event-stream")
+
+        return _session(reply)
+
+    async with answer(sse) as http:
         with pytest.raises(EngineError, match="several completions"):
             await vllm_serve._direct(http, {"prompt": ["input_ids", "attention_mask"]})
     one = "data: " + json.dumps(chunks[0]) + "\n\ndata: [DONE]\n\n"
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=one))
-    async with httpx.AsyncClient(base_url="http://vllm.test", transport=transport) as http:
+    async with answer(one) as http:
         assert await vllm_serve._direct(http, {"prompt": [1, 2, 3]}) == 1

@@ -28,8 +28,10 @@ one started by `VLLMSupervisor` on `--model`):
    `engine.adapter_poll_interval_s` between the write and the load; that wait
    is reported apart.
 
-All requests are greedy with EOS ignored, so both sides of a ratio do the
-same work. Not a test: nothing here asserts, and pytest never collects it.
+The gateway runs as its own `clora serve` process on the same settings (trainer
+and Kafka off), as a user runs it; one aiohttp client drives both sides, so the
+client's own cost is the same on both and small. All requests are greedy with
+EOS ignored, so both sides of a ratio do the same work. Not a test: nothing here asserts, and pytest never collects it.
 
 Not here: the embedded engine's serving benchmarks (see `serve`).
 """
@@ -47,9 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
-from clora_feedback.bench.gateway import _uvicorn_thread
+from clora_feedback.bench.roles import RoleProcess, free_port, wait_healthy, write_settings
 from clora_feedback.config import DEFAULT_MODEL, AgentConfig, EngineConfig, Settings
 from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.engine.vllm import VLLMEngine
@@ -78,6 +80,7 @@ class Options:
         new_tokens: tokens per request (1. throughput, 2.).
         streams: concurrent requests in 1.
         latency_reps: measured one-token pairs in 1.
+        throughput_reps: alternated repetitions of each batch in 1. and 2. (median kept).
         publishes: publishes measured in 3. (median kept).
         json_path: also write the results here.
     """
@@ -89,6 +92,7 @@ class Options:
     new_tokens: int
     streams: int
     latency_reps: int
+    throughput_reps: int
     publishes: int
     json_path: Path | None
 
@@ -104,6 +108,7 @@ def parse_options(argv: Sequence[str]) -> Options:
     p.add_argument("--new-tokens", type=int, default=None, help="Tokens per request.")
     p.add_argument("--streams", type=int, default=8, help="Concurrent requests in 1.")
     p.add_argument("--latency-reps", type=int, default=None, help="One-token pairs in 1.")
+    p.add_argument("--throughput-reps", type=int, default=None, help="Batch pairs in 1. and 2.")
     p.add_argument("--publishes", type=int, default=None, help="Publishes timed in 3.")
     p.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
     p.add_argument("--omp-wait-policy", default="passive", help=argparse.SUPPRESS)
@@ -115,7 +120,8 @@ def parse_options(argv: Sequence[str]) -> Options:
         dtype=a.dtype,
         new_tokens=a.new_tokens or (16 if a.quick else 64),
         streams=a.streams,
-        latency_reps=a.latency_reps or (10 if a.quick else 50),
+        latency_reps=a.latency_reps or (10 if a.quick else 200),
+        throughput_reps=a.throughput_reps or (1 if a.quick else 4),
         publishes=a.publishes or (2 if a.quick else 5),
         json_path=a.json,
     )
@@ -134,7 +140,7 @@ def engine_config(o: Options, model_dir: Path, url: str) -> EngineConfig:
     )
 
 
-async def _direct(http: httpx.AsyncClient, body: dict[str, Any]) -> int:
+async def _direct(http: aiohttp.ClientSession, body: dict[str, Any]) -> int:
     """One streamed completion straight to vLLM; the tokens it generated.
 
     Raises:
@@ -142,10 +148,11 @@ async def _direct(http: httpx.AsyncClient, body: dict[str, Any]) -> int:
             token-id list: the baseline would not be the gateway's request).
     """
     tokens = 0
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    async with http.post("/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and line.strip() != "data: [DONE]":
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
                 chunk = json.loads(line[5:])
                 for choice in chunk.get("choices") or []:
                     if choice.get("index", 0) != 0:
@@ -154,23 +161,23 @@ async def _direct(http: httpx.AsyncClient, body: dict[str, Any]) -> int:
     return tokens
 
 
-async def _chat(http: httpx.AsyncClient, agent: str, prompt: str, new_tokens: int) -> Any:
+async def _chat(http: aiohttp.ClientSession, agent: str, prompt: str, new_tokens: int) -> Any:
     """One chat completion through the gateway; the response JSON."""
     body = {"model": agent, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
-    response = await http.post("/v1/chat/completions", json=body)
-    response.raise_for_status()
-    return response.json()
+    async with http.post("/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        return await response.json()
 
 
-async def _gateway(http: httpx.AsyncClient, agent: str, prompt: str, new_tokens: int) -> int:
+async def _gateway(http: aiohttp.ClientSession, agent: str, prompt: str, new_tokens: int) -> int:
     """One chat completion through the gateway; its completion tokens."""
     return int((await _chat(http, agent, prompt, new_tokens))["usage"]["completion_tokens"])
 
 
 async def gateway_prompt_ids(
-    gw: httpx.AsyncClient,
-    direct: httpx.AsyncClient,
+    gw: aiohttp.ClientSession,
+    direct: aiohttp.ClientSession,
     trajectories: TrajectoryStore,
     engine: VLLMEngine,
 ) -> list[list[int]]:
@@ -187,9 +194,9 @@ async def gateway_prompt_ids(
         record = await asyncio.to_thread(trajectories.get, str(reply["id"]))
         ids.append(list(record.prompt_token_ids))
     check = _direct_body(engine, ids[0], 1) | {"stream": False}
-    response = await direct.post("/v1/completions", json=check)
-    response.raise_for_status()
-    answer = response.json()
+    async with direct.post("/v1/completions", json=check) as response:
+        response.raise_for_status()
+        answer = await response.json()
     if len(answer["choices"]) != 1 or answer["usage"]["prompt_tokens"] != len(ids[0]):
         raise EngineError(
             f"vLLM read the gateway's {len(ids[0])}-token prompt as "
@@ -205,9 +212,18 @@ def _direct_body(engine: VLLMEngine, prompt_ids: list[int], new_tokens: int) -> 
     return {"model": engine.served_model, **engine.completion_body(request)}
 
 
+def median_interval(values: Sequence[float]) -> tuple[float, float]:
+    """A distribution-free ~95% confidence interval for the median of `values`: the order
+    statistics at n/2 -+ 0.98 sqrt(n) (the binomial's normal approximation)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    half = 0.98 * n**0.5
+    return ordered[max(0, int(n / 2 - half))], ordered[min(n - 1, int(n / 2 + half))]
+
+
 async def bench_gateway_vs_direct(
-    gw: httpx.AsyncClient,
-    direct: httpx.AsyncClient,
+    gw: aiohttp.ClientSession,
+    direct: aiohttp.ClientSession,
     engine: VLLMEngine,
     trajectories: TrajectoryStore,
     o: Options,
@@ -218,7 +234,7 @@ async def bench_gateway_vs_direct(
     bodies = [_direct_body(engine, ids[i % len(ids)], o.new_tokens) for i in range(o.streams)]
     await asyncio.gather(*(_gateway(gw, "bench", p, 4) for p in prompts))  # warm-up
     rates: dict[str, list[float]] = {"gateway": [], "direct": []}
-    for _ in range(2):  # alternate, so drifting load hits both sides alike
+    for _ in range(o.throughput_reps):  # alternate, so drifting load hits both sides alike
         t0 = time.perf_counter()
         n = sum(await asyncio.gather(*(_gateway(gw, "bench", p, o.new_tokens) for p in prompts)))
         rates["gateway"].append(n / (time.perf_counter() - t0))
@@ -246,14 +262,16 @@ async def bench_gateway_vs_direct(
         t0 = time.perf_counter()
         await _direct(direct, short)
         short_ms.append((time.perf_counter() - t0) * 1e3)
+    low, high = median_interval(diffs)
     g, d = statistics.median(rates["gateway"]), statistics.median(rates["direct"])
     return {"gateway_tok_s": g, "direct_tok_s": d, "throughput_ratio": g / d,
             "gateway_ms": statistics.median(gw_ms), "direct_ms": statistics.median(direct_ms),
-            "added_p50_ms": statistics.median(diffs), "prompt_tokens": float(len(ids[0])),
+            "added_p50_ms": statistics.median(diffs), "added_p50_low_ms": low,
+            "added_p50_high_ms": high, "prompt_tokens": float(len(ids[0])),
             "direct_one_token_prompt_ms": statistics.median(short_ms)}  # fmt: skip
 
 
-async def bench_adapters(gw: httpx.AsyncClient, o: Options) -> dict[str, float]:
+async def bench_adapters(gw: aiohttp.ClientSession, o: Options) -> dict[str, float]:
     """2. decode steps/s, 8 rows on 8 adapters vs 8 rows on one (same prompt)."""
 
     async def batch(agents: Sequence[str]) -> float:
@@ -263,7 +281,7 @@ async def bench_adapters(gw: httpx.AsyncClient, o: Options) -> dict[str, float]:
 
     await batch(AGENTS)  # warm-up: every adapter loaded and used once
     mixed, single = [], []
-    for _ in range(2):
+    for _ in range(o.throughput_reps):
         mixed.append(await batch(AGENTS))
         single.append(await batch([AGENTS[0]] * len(AGENTS)))
     m, s = statistics.median(mixed), statistics.median(single)
@@ -334,18 +352,29 @@ async def measure(o: Options, url: str, model_dir: Path, work: Path) -> dict[str
         weights = random_lora_weights(probe.lora_limits, rank=8, seed=i, std=0.05)
         save_peft_adapter(weights, path, base_model=probe.model_name)
         adapters.append(AgentConfig(name=agent, adapter_path=path))
-    settings = Settings(data_dir=work / "gw", adapters_dir=work / "gw" / "adapters",
-                        engine=config, agents=[AgentConfig(name="bench"), *adapters])  # fmt: skip
-    from clora_feedback.gateway.app import create_app
-    from clora_feedback.store.trajectories import AsyncTrajectoryStore
-
+    gw_dir = work / "gw"
+    settings = Settings(data_dir=gw_dir, adapters_dir=gw_dir / "adapters", engine=config,
+                        agents=[AgentConfig(name="bench"), *adapters])  # fmt: skip
+    # The gateway runs as its own `clora serve` process, as a user runs it: in a thread of
+    # this process it would share the client's interpreter lock and inflate what it adds.
+    cfg = settings.model_dump(mode="json", exclude={"data_dir", "adapters_dir"})
+    cfg |= {"data_dir": str(gw_dir), "adapters_dir": str(gw_dir / "adapters"),
+            "feedback": {"kafka": {"embedded_broker": False}},
+            "trainer": {"enabled": False, "guard": {"enabled": False}}}  # fmt: skip
+    port = free_port()
+    gateway = RoleProcess(
+        "gateway", ["serve", "--config", str(write_settings(gw_dir / "settings.json", cfg)),
+                    "--port", str(port)], work,
+    )  # fmt: skip
+    gw_url = f"http://127.0.0.1:{port}"
     results: dict[str, float] = {}
-    gateway_engine = VLLMEngine(model_dir, config)
-    app = create_app(settings, gateway_engine, AsyncTrajectoryStore(settings.trajectory_db))
-    with _uvicorn_thread(app) as gw_url:
+    timeout = aiohttp.ClientTimeout(total=600)
+    gateway.start()
+    try:
+        await asyncio.to_thread(wait_healthy, gw_url, gateway, 900.0)
         async with (
-            httpx.AsyncClient(base_url=gw_url, timeout=600) as gw,
-            httpx.AsyncClient(base_url=url, timeout=600) as direct,
+            aiohttp.ClientSession(gw_url, timeout=timeout) as gw,
+            aiohttp.ClientSession(url, timeout=timeout) as direct,
         ):
             await probe.start()  # for the served model's name
             trajectories = TrajectoryStore(settings.trajectory_db)  # what the gateway recorded
@@ -355,6 +384,8 @@ async def measure(o: Options, url: str, model_dir: Path, work: Path) -> dict[str
             finally:
                 trajectories.close()
                 await probe.stop()
+    finally:
+        gateway.stop()
     publisher = VLLMEngine(model_dir, config)
     await publisher.start()
     try:
@@ -370,7 +401,8 @@ def table(v: dict[str, float], o: Options) -> str:
          f"**{v['throughput_ratio']:.2f}x** ({v['gateway_tok_s']:.0f} vs {v['direct_tok_s']:.0f})",
          ">= 0.95x"),
         ("1. latency the gateway adds, one-token completion (p50 of pair differences)",
-         f"**{v['added_p50_ms']:.1f} ms** (gateway {v['gateway_ms']:.1f} vs vLLM "
+         f"**{v['added_p50_ms']:.1f} ms** (95% interval {v['added_p50_low_ms']:.1f} to "
+         f"{v['added_p50_high_ms']:.1f}; gateway {v['gateway_ms']:.1f} vs vLLM "
          f"{v['direct_ms']:.1f} ms, {v['prompt_tokens']:.0f}-token prompt; vLLM with a "
          f"1-token prompt: {v['direct_one_token_prompt_ms']:.1f} ms)", "< 2 ms"),
         ("2. 8 rows on 8 adapters vs 8 rows on one, through the gateway (decode steps/s)",
@@ -381,6 +413,8 @@ def table(v: dict[str, float], o: Options) -> str:
          f"first token {v['first_token_ms']:.0f}, vs {v['ttft_floor_ms']:.0f} for any new "
          f"{v['publish_prompt_tokens']:.0f}-token prompt on a loaded version; + watcher wait, "
          f"mean {v['watcher_wait_mean_ms']:.0f})", "< 500 ms"),
+        ("3. the publish's own part: total minus that floor",
+         f"**{v['publish_total_ms'] - v['ttft_floor_ms']:.0f} ms**", ""),
     ]  # fmt: skip
     lines = ["| benchmark | result | goal |", "|---|---|---|"]
     return "\n".join([*lines, *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
