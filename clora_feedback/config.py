@@ -58,6 +58,12 @@ class VLLMLocalConfig(BaseModel):
         description="`VLLM_CPU_OMP_THREADS_BIND` (e.g. `0-3`, `nobind`); default: every core but "
         "the first, which is left to the gateway.",
     )
+    chunked_prefill: bool = Field(
+        False,
+        description="vLLM's chunked prefill; off by default (`--no-enable-chunked-prefill`): "
+        "vLLM-CPU 0.32's engine dies on a seeded request whose prompt is split across steps "
+        "(`CPU Generator does not use offset`, docs/vllm.md section 2b). On for GPU builds.",
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="More `vllm serve` arguments, appended as given."
     )

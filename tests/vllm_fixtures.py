@@ -46,6 +46,7 @@ SERVER_ARGS = (
     "--logprobs-mode", "processed_logprobs",
     "--dtype", "float32",
     "--max-num-seqs", "8",
+    "--no-enable-chunked-prefill",  # vLLM-CPU dies on seeded split prompts (docs/vllm.md, 2b)
     "--uvicorn-log-level", "warning",
 )  # fmt: skip
 

