@@ -85,7 +85,8 @@ def test_ctrl_c_stops_the_demo_cleanly_and_still_writes_results(
     data, out = tmp_path / "var", tmp_path / "out"
     argv = [sys.executable, "-m", "clora_feedback.cli", "demo", "--model", str(tiny_model_dir)]
     argv += ["--data-dir", str(data), "--out", str(out), "--no-progress", "--minutes", "5"]
-    argv += ["--users", "1", "--batch", "2", "--threads", "1"]
+    # No version target: only the Ctrl-C (or 5 minutes) may end it, however fast it trains.
+    argv += ["--users", "1", "--batch", "2", "--threads", "1", "--versions", "0"]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
