@@ -75,6 +75,10 @@ def test_c_lora_experiment_runs_serial_and_concurrent(tiny_model_dir: Path, tmp_
     assert min(s["started_at"] for s in second) >= max(s["ended_at"] for s in first)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_the_demo_cleanly_and_still_writes_results(
     tiny_model_dir: Path, tmp_path: Path
@@ -88,7 +92,14 @@ def test_ctrl_c_stops_the_demo_cleanly_and_still_writes_results(
     # No version target: only the Ctrl-C (or 5 minutes) may end it, however fast it trains.
     argv += ["--users", "1", "--batch", "2", "--threads", "1", "--versions", "0"]
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        # As from a terminal: a run started in the background (`cmd &` in a script) inherits
+        # SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt.
+        preexec_fn=_default_sigint,
     )
     assert proc.stdout is not None
     lines: list[str] = []
