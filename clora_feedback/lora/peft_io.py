@@ -25,7 +25,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from clora_feedback.errors import AdapterError
-from clora_feedback.lora.weights import LoRALimits, LoRAWeights, check_config, parse_module_key
+from clora_feedback.lora.weights import (
+    LoRALimits,
+    LoRAWeights,
+    check_config,
+    check_shapes,
+    parse_module_key,
+)
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -175,17 +181,7 @@ def check_peft_adapter(path: Path, *, limits: LoRALimits) -> int:
     for key, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{key}: needs both lora_A and lora_B")
-        layer, module = parse_module_key(key)
-        if layer >= limits.num_layers:
-            raise AdapterError(f"{key}: layer {layer} >= model layers {limits.num_layers}")
-        if module not in limits.shapes:
-            raise AdapterError(f"{key}: {module} is not a projection this engine serves")
-        fan_in, fan_out = limits.shapes[module]
-        if pair["A"] != (rank, fan_in) or pair["B"] != (fan_out, rank):
-            raise AdapterError(
-                f"{key}: expected A {(rank, fan_in)} and B {(fan_out, rank)}, "
-                f"got {pair['A']} and {pair['B']}"
-            )
+        check_shapes(key, pair["A"], pair["B"], rank, limits)
     return rank
 
 

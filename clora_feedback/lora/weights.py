@@ -100,15 +100,7 @@ class LoRAWeights:
         """Raise `AdapterError` unless every tensor fits the engine (rank, targets, shapes)."""
         check_config(self.rank, self.target_modules, limits)
         for key, (a, b) in self.tensors.items():
-            layer, name = parse_module_key(key)
-            if layer >= limits.num_layers:
-                raise AdapterError(f"{key}: layer {layer} >= model layers {limits.num_layers}")
-            fan_in, fan_out = limits.shapes[name]
-            if tuple(a.shape) != (self.rank, fan_in) or tuple(b.shape) != (fan_out, self.rank):
-                raise AdapterError(
-                    f"{key}: expected A {(self.rank, fan_in)} and B {(fan_out, self.rank)}, "
-                    f"got {tuple(a.shape)} and {tuple(b.shape)}"
-                )
+            check_shapes(key, tuple(a.shape), tuple(b.shape), self.rank, limits)
             if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                 raise AdapterError(f"{key}: non-finite values")
 
@@ -124,6 +116,24 @@ def check_config(rank: int, target_modules: Iterable[str], limits: LoRALimits) -
         raise AdapterError(
             f"adapter targets {unsupported}, which this engine does not serve "
             f"(lora_target_modules={list(limits.target_modules)})"
+        )
+
+
+def check_shapes(
+    key: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], rank: int, limits: LoRALimits
+) -> None:
+    """Reject one projection's A and B shapes unless they are `[rank, in]` and `[out, rank]`
+    of a layer and projection the engine serves."""
+    layer, name = parse_module_key(key)
+    if layer >= limits.num_layers:
+        raise AdapterError(f"{key}: layer {layer} >= model layers {limits.num_layers}")
+    if name not in limits.shapes:
+        raise AdapterError(f"{key}: {name} is not a projection this engine serves")
+    fan_in, fan_out = limits.shapes[name]
+    if a_shape != (rank, fan_in) or b_shape != (fan_out, rank):
+        raise AdapterError(
+            f"{key}: expected A {(rank, fan_in)} and B {(fan_out, rank)}, "
+            f"got {a_shape} and {b_shape}"
         )
 
 
