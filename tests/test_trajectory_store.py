@@ -276,3 +276,154 @@ def test_conversation_id_is_a_column_and_the_read_api_batches(store: TrajectoryS
     assert store.exists(ids) == {"c1", "c2", "c3", "c4"}
     many = store.get_many(ids)
     assert set(many) == {"c1", "c2", "c3", "c4"} and many["c2"] == store.get("c2")
+
+
+# -- writes on the event loop (AsyncTrajectoryStore.record's inline path) -------------
+
+
+async def _blocked_worker(store: AsyncTrajectoryStore) -> tuple[threading.Event, asyncio.Task]:
+    """Occupy the store's one worker thread until the returned event is set."""
+    release = threading.Event()
+    task = asyncio.ensure_future(store._run(lambda: release.wait(30)))
+    await asyncio.sleep(0.05)  # the worker has picked the blocking call up
+    return release, task
+
+
+async def test_a_small_sqlite_record_commits_on_the_loop_while_the_worker_is_busy(
+    tmp_path: Path,
+) -> None:
+    async with AsyncTrajectoryStore(tmp_path / "t.db") as store:
+        assert store.inline_writes
+        release, blocker = await _blocked_worker(store)
+        try:
+            await asyncio.wait_for(store.record(make_record("inline")), timeout=10)
+        finally:
+            release.set()
+            await blocker
+        with TrajectoryStore(tmp_path / "t.db") as reader:  # committed, seen by another reader
+            assert reader.get("inline") == make_record("inline")
+        # The loop's connection leaves WAL checkpoints to the worker (no fsync on the loop).
+        conn = store.store._db._conn  # type: ignore[attr-defined]
+        assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("why", ["too_many_tokens", "full_sync", "inline_off"])
+async def test_records_that_could_wait_go_to_the_worker(tmp_path: Path, why: str) -> None:
+    options: dict = {
+        "too_many_tokens": {"inline_max_tokens": 7},  # make_record has 4 + 4 tokens
+        "full_sync": {"synchronous": "FULL"},
+        "inline_off": {"inline_max_tokens": 0},
+    }[why]
+    async with AsyncTrajectoryStore(tmp_path / "t.db", **options) as store:
+        release, blocker = await _blocked_worker(store)
+        pending = asyncio.ensure_future(store.record(make_record("queued")))
+        await asyncio.sleep(0.1)
+        assert not pending.done()  # queued behind the busy worker, not written on the loop
+        release.set()
+        await blocker
+        await pending
+        assert await store.get("queued") == make_record("queued")
+
+
+async def test_postgres_records_always_go_to_the_worker(postgres_url: str) -> None:
+    async with AsyncTrajectoryStore(postgres_url) as store:
+        assert not store.inline_writes
+        release, blocker = await _blocked_worker(store)
+        pending = asyncio.ensure_future(store.record(make_record("pg-queued")))
+        await asyncio.sleep(0.1)
+        assert not pending.done()
+        release.set()
+        await blocker
+        await pending
+        assert await store.get("pg-queued") == make_record("pg-queued")
+
+
+async def test_a_record_waits_on_the_worker_while_another_process_holds_the_write_lock(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "t.db"
+    async with AsyncTrajectoryStore(db) as store:
+        other = sqlite3.connect(db, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # as another process's writer would
+        try:
+            assert store.store.record_nowait(make_record("busy")) is False
+            pending = asyncio.ensure_future(store.record(make_record("busy")))
+            ticks = 0
+            for _ in range(5):  # the loop keeps running while the write waits
+                await asyncio.sleep(0.02)
+                ticks += 1
+            assert ticks == 5 and not pending.done()
+        finally:
+            other.execute("COMMIT")
+            other.close()
+        await pending
+        assert await store.get("busy") == make_record("busy")
+
+
+def test_record_nowait_only_where_a_commit_cannot_wait(tmp_path: Path) -> None:
+    with TrajectoryStore(tmp_path / "auto.db") as auto:  # automatic checkpoints may fsync
+        assert auto.record_nowait(make_record("a")) is False
+        assert auto.count() == 0
+    with TrajectoryStore(tmp_path / "manual.db", auto_checkpoint=False) as manual:
+        assert manual.record_nowait(make_record("m")) is True
+        with pytest.raises(ConflictError):
+            manual.record_nowait(make_record("m"))
+        manual.checkpoint()
+        assert manual.get("m") == make_record("m")
+
+
+async def test_the_worker_checkpoints_the_wal_every_n_inline_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with AsyncTrajectoryStore(tmp_path / "t.db", checkpoint_every=3) as store:
+        calls: list[str] = []
+        real = store.store.checkpoint
+        monkeypatch.setattr(
+            store.store,
+            "checkpoint",
+            lambda: (calls.append(threading.current_thread().name), real()),
+        )
+
+        async def settle() -> None:  # the worker's queue is FIFO: a no-op after the checkpoint
+            await store._run(lambda: None)
+            await asyncio.sleep(0)
+
+        for i in range(5):
+            await store.record(make_record(f"c{i}"))
+        await settle()
+        assert len(calls) == 1 and calls[0].startswith("clora-trajectories")
+        await store.record(make_record("c5"))
+        await settle()
+        assert len(calls) == 2
+        assert await store.count() == 6
+
+
+_ASYNC_KILL_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from pathlib import Path
+    sys.path.insert(0, {tests_dir!r})
+    from test_trajectory_store import make_record
+    from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+    async def main():
+        store = AsyncTrajectoryStore(Path({db!r}), checkpoint_every=1000)
+        await store.start()
+        assert store.inline_writes
+        for i in range(10):
+            await store.record(make_record(f"inline-{{i}}", n=2))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_inline_records_survive_sigkill_before_any_checkpoint(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    script = _ASYNC_KILL_SCRIPT.format(tests_dir=str(Path(__file__).parent), db=str(db))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    with TrajectoryStore(db) as reopened:
+        assert reopened.count() == 10
+        assert reopened.get("inline-9") == make_record("inline-9", n=2)

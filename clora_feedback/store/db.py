@@ -16,6 +16,9 @@ serialisation, the schema version of a component).
   by a lock, as every store had before this seam: WAL journal, the caller's
   `synchronous`, foreign keys on; `write()` is `BEGIN IMMEDIATE ... COMMIT`, so
   writers are serialised by SQLite itself and readers never wait for them.
+  `write_nowait()` is the same transaction for an event loop: begun only if no
+  lock is held, on a database whose commits never fsync (`NORMAL`, checkpoints
+  left to the owner's `checkpoint()`).
 - PostgreSQL (`postgresql://...`): psycopg 3 with a `psycopg_pool.ConnectionPool`
   (1 to `pool_size` connections, autocommit off); every `read()` / `write()` is one
   transaction on one pooled connection (READ COMMITTED). psycopg is imported only
@@ -96,6 +99,23 @@ class Database(Protocol):
         """One write transaction: committed when the block exits, rolled back if it raises."""
         ...
 
+    def write_nowait(self) -> AbstractContextManager[Tx | None]:
+        """`write()` if it can run start to end without waiting, else None (nothing begun).
+
+        "Without waiting": no lock held by another thread or connection, and a commit that
+        reaches the OS but not the disk (SQLite WAL with `synchronous=NORMAL` and no automatic
+        checkpoint). Always None on PostgreSQL (every statement is a network round trip) and on
+        SQLite with `synchronous=FULL` (every commit is an fsync). For a caller on an event
+        loop that falls back to `write()` on a thread when it gets None.
+        """
+        ...
+
+    def checkpoint(self) -> None:
+        """SQLite: copy the WAL's committed pages into the database file (PASSIVE: never waits
+        for readers), for a database opened with `sqlite_autocheckpoint=False`. PostgreSQL:
+        nothing to do."""
+        ...
+
     def close(self) -> None:
         """Close the connection(s) (idempotent); later `read()` / `write()` raise `StoreError`."""
         ...
@@ -142,6 +162,7 @@ def open_database(
     pool_size: int = 4,
     sqlite_timeout_s: float = 10.0,
     sqlite_foreign_keys: bool = True,
+    sqlite_autocheckpoint: bool = True,
 ) -> Database:
     """Open the database `url` names (see the module docstring).
 
@@ -168,6 +189,7 @@ def open_database(
         synchronous=sqlite_synchronous,
         timeout_s=sqlite_timeout_s,
         foreign_keys=sqlite_foreign_keys,
+        autocheckpoint=sqlite_autocheckpoint,
     )
 
 
@@ -234,9 +256,20 @@ class _SQLiteDatabase:
 
     dialect: Dialect = "sqlite"
 
-    def __init__(self, path: Path, *, synchronous: str, timeout_s: float, foreign_keys: bool):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        synchronous: str,
+        timeout_s: float,
+        foreign_keys: bool,
+        autocheckpoint: bool = True,
+    ):
         self.file: Path | None = path
         self.display_url = str(path)
+        self._busy_timeout_ms = int(timeout_s * 1000)
+        # A commit that cannot wait: it reaches the OS (WAL, NORMAL) and never checkpoints.
+        self._nowait = synchronous == "NORMAL" and not autocheckpoint
         # Reentrant: a store may read (e.g. a version row) while it holds its own write.
         self._lock = threading.RLock()
         with self._translate("open"):
@@ -250,6 +283,8 @@ class _SQLiteDatabase:
                 if str(mode).lower() != "wal":
                     raise StoreError(f"{path}: could not enable WAL mode (got {mode!r})")
                 self._conn.execute(f"PRAGMA synchronous={synchronous}")
+                if not autocheckpoint:
+                    self._conn.execute("PRAGMA wal_autocheckpoint=0")
                 if foreign_keys:
                     self._conn.execute("PRAGMA foreign_keys=ON")
             except BaseException:
@@ -281,6 +316,42 @@ class _SQLiteDatabase:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+
+    @contextlib.contextmanager
+    def write_nowait(self) -> Iterator[Tx | None]:
+        if not self._nowait or not self._lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            with self._translate("write"):
+                conn = self._conn
+                # Another connection holding SQLite's write lock answers BUSY at once.
+                conn.execute("PRAGMA busy_timeout=0")
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    begun = True
+                except sqlite3.OperationalError as exc:
+                    if exc.sqlite_errorcode not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                        raise
+                    begun = False
+                finally:
+                    conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+                if not begun:
+                    yield None
+                    return
+                try:
+                    yield self._tx
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+        finally:
+            self._lock.release()
+
+    def checkpoint(self) -> None:
+        with self._lock, self._translate("checkpoint"):
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
     def close(self) -> None:
         with self._lock, self._translate("close"):
@@ -388,6 +459,13 @@ class _PostgresDatabase:
 
     def write(self) -> AbstractContextManager[Tx]:
         return self._transaction("write")
+
+    @contextlib.contextmanager
+    def write_nowait(self) -> Iterator[Tx | None]:
+        yield None
+
+    def checkpoint(self) -> None:
+        pass
 
     def close(self) -> None:
         self._pool.close()
