@@ -427,3 +427,15 @@ def test_inline_records_survive_sigkill_before_any_checkpoint(tmp_path: Path) ->
     with TrajectoryStore(db) as reopened:
         assert reopened.count() == 10
         assert reopened.get("inline-9") == make_record("inline-9", n=2)
+
+
+async def test_a_checkpoint_due_at_stop_runs_before_the_close(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AsyncTrajectoryStore(tmp_path / "t.db", checkpoint_every=1)
+    await store.start()
+    await store.record(make_record("last"))  # its checkpoint is queued on the worker
+    await store.stop()
+    assert "checkpoint failed" not in caplog.text
+    with TrajectoryStore(tmp_path / "t.db") as reopened:
+        assert reopened.get("last") == make_record("last")

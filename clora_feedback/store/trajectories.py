@@ -627,9 +627,17 @@ class AsyncTrajectoryStore(AsyncLifecycle):
         if tokens > self._inline_max_tokens or not store.record_nowait(t):
             await self._run(lambda: store.record(t))
         self._since_checkpoint += 1
-        if self._since_checkpoint >= self._checkpoint_every and self._checkpoint is None:
+        executor = self._executor
+        if (
+            self._since_checkpoint >= self._checkpoint_every
+            and self._checkpoint is None
+            and executor is not None
+        ):
             self._since_checkpoint = 0
-            self._checkpoint = asyncio.ensure_future(self._run(store.checkpoint))
+            # Queued on the worker now, so a `stop()` that follows closes the store after it.
+            self._checkpoint = asyncio.get_running_loop().run_in_executor(
+                executor, store.checkpoint
+            )
             self._checkpoint.add_done_callback(self._checkpointed)
 
     def _checkpointed(self, done: asyncio.Future[None]) -> None:
