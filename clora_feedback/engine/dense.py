@@ -5,7 +5,9 @@ computes `x @ W.T` with the semantics of `F.linear` but a faster CPU path
 where one exists (measurements in docs/benchmarks.md): MKL repacks the whole
 weight on every small-batch GEMM call, so 4..15 fp32 rows are multiplied by
 64-row blocks of W as one batched matmul; bf16 weights are pre-packed once
-for oneDNN. Inference only (no autograd).
+for oneDNN, or, where oneDNN has no bf16 path, multiplied as fp32 copies
+except for 1..3 rows (bf16 GEMV reads half the bytes). Inference only (no
+autograd).
 
 Not here: the model (see `model`), LoRA (see `clora_feedback.lora.ops`).
 """
@@ -53,10 +55,14 @@ class DenseKernels:
           one batched matmul over 64-row blocks of W, which MKL streams ~1.5x
           (lm_head ~2.4x) faster than its small-M GEMM; other sizes use `F.linear`.
         - `upcast` (bf16/fp16 on a CPU where `packed` cannot run, e.g. AVX2 only):
-          there a bf16 GEMM converts on every call and runs at about half the fp32
-          speed, so each weight keeps an fp32 copy of its (exactly representable)
-          values, multiplied by the `blocked` kernel: fp32 in and out (the caller
-          casts around the projection). A second copy in memory.
+          there a bf16 GEMM of 4+ rows converts on every call and runs at about
+          half the fp32 speed, so each weight keeps an fp32 copy of its (exactly
+          representable) values, multiplied by the `blocked` kernel: fp32 in and
+          out (the caller casts around the projection). A second copy in memory.
+          1..3 bf16 rows (`_REDUCED_ROWS`) are multiplied by the bf16 weight
+          itself: torch's bf16 GEMV accumulates in fp32 and reads half the bytes
+          (1.1-4x the fp32 path at 1..3 rows on the model's shapes, about even
+          at 4; docs/benchmarks.md). The product is rounded to bf16, as `packed`'s is.
         - `linear`: `F.linear` on the plain weights (CUDA, other dtypes).
 
         A non-plain kernel is checked against `F.linear` on the first weight and
@@ -117,8 +123,34 @@ def _blocked(w: torch.Tensor) -> Linear:
     return linear
 
 
+# Rows for which `upcast` multiplies by the bf16 weight itself (see `DenseKernels.build`).
+# Measured on the model's shapes with cold caches (AVX2, 1 and 2 threads): bf16 F.linear
+# beats the fp32 path at 1..3 rows for every shape and not at 4+ rows, where `blocked` runs.
+_REDUCED_ROWS = range(1, 4)
+
+
+class _Upcast:
+    """`upcast` for one weight: x [N, in] or [in] fp32 -> fp32, by the bf16 weight or its fp32 copy.
+
+    `reduced_rows` (the row counts multiplied by the bf16 weight) is fixed at
+    build from the dtype, a rule and not a per-call timing: `_REDUCED_ROWS`
+    for bf16, none for fp16 (not measured). A 1-D x is one row.
+    """
+
+    def __init__(self, w: torch.Tensor):
+        self.weight = w
+        self.reduced_rows = _REDUCED_ROWS if w.dtype == torch.bfloat16 else range(0)
+        self.fp32 = _blocked(w.float())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() <= 2 and (x.shape[0] if x.dim() == 2 else 1) in self.reduced_rows:
+            # x came from the bf16 residual stream, so the cast back is exact.
+            return F.linear(x.to(self.weight.dtype), self.weight).float()
+        return self.fp32(x)
+
+
 def _upcast(w: torch.Tensor) -> Linear:
-    return _blocked(w.float())
+    return _Upcast(w)
 
 
 def packed_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -148,8 +180,13 @@ def _packed(w: torch.Tensor) -> Linear:
 
 
 def _agrees(kernel: Linear, w: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+    """Whether `kernel` computes F.linear by `w` for 1 and 5 rows (both `upcast` paths)."""
     x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
     with torch.inference_mode():
-        want = F.linear(x.float(), w.float())
-        got = kernel(x.to(compute_dtype)).float()
-    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+        for rows in (x[:1], x):
+            want = F.linear(rows.float(), w.float())
+            got = kernel(rows.to(compute_dtype)).float()
+            tol = 2e-2 * float(want.abs().max())
+            if not torch.allclose(got, want, rtol=2e-2, atol=tol):
+                return False
+    return True
