@@ -341,6 +341,7 @@ _CRASH_SCRIPT = textwrap.dedent(
     from pathlib import Path
     import torch
     from clora_feedback.config import DEFAULT_TARGET_MODULES
+    from clora_feedback.lora import tensor_files
     from clora_feedback.lora.weights import LoRALimits, random_lora_weights
     from clora_feedback.store import artifact, registry as registry_module
 
@@ -352,7 +353,7 @@ _CRASH_SCRIPT = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     if point == "writing":
-        artifact.save_file = die  # dies between the PEFT files and the optimizer state
+        tensor_files.os.fsync = die  # every payload file written, none yet durable
     elif point == "before_rename":
         artifact.os.rename = die  # every file and the manifest are written, not yet renamed
     elif point == "before_commit":

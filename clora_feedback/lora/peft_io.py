@@ -10,21 +10,24 @@ is read, so a wrong adapter costs a JSON parse, not a tensor load.
 `check_peft_adapter` goes no further than the safetensors header (names,
 shapes, dtypes, a file that covers them): for an engine that reads the
 tensors itself (vLLM), where the full load would only be thrown away.
+Writing goes through `tensor_files` (`peft_files` lays the directory out in
+memory, the tensors viewed rather than copied; `save_peft_adapter` writes and
+fsyncs it, with each file's sha256 taken from memory).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from clora_feedback.errors import AdapterError
+from clora_feedback.lora.tensor_files import Chunk, FileDigest, encode_safetensors, write_files
 from clora_feedback.lora.weights import (
     LoRALimits,
     LoRAWeights,
@@ -185,21 +188,13 @@ def check_peft_adapter(path: Path, *, limits: LoRALimits) -> int:
     return rank
 
 
-def save_peft_adapter(weights: LoRAWeights, path: Path, *, base_model: str) -> None:
-    """Write `weights` as a PEFT directory (config + safetensors), fsynced.
-
-    The caller makes it visible atomically (write to a temp dir, then rename).
-    """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+def peft_files(weights: LoRAWeights, *, base_model: str) -> dict[str, list[Chunk]]:
+    """`weights` as the two files of a PEFT directory, in memory: name -> chunks (the
+    tensors' own memory, viewed, not copied, when they are fp32 on the CPU already)."""
     tensors: dict[str, torch.Tensor] = {}
     for key, (a, b) in sorted(weights.tensors.items()):
-        tensors[f"base_model.model.model.{key}.lora_A.weight"] = (
-            a.detach().to("cpu", torch.float32).contiguous()
-        )
-        tensors[f"base_model.model.model.{key}.lora_B.weight"] = (
-            b.detach().to("cpu", torch.float32).contiguous()
-        )
+        tensors[f"base_model.model.model.{key}.lora_A.weight"] = a.detach().to("cpu", torch.float32)
+        tensors[f"base_model.model.model.{key}.lora_B.weight"] = b.detach().to("cpu", torch.float32)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -216,11 +211,23 @@ def save_peft_adapter(weights: LoRAWeights, path: Path, *, base_model: str) -> N
         "modules_to_save": None,
         "init_lora_weights": True,
     }
-    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    for name in (WEIGHTS_NAME, CONFIG_NAME):
-        fd = os.open(path / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    return {
+        WEIGHTS_NAME: encode_safetensors(tensors, {"format": "pt"}),
+        CONFIG_NAME: [(json.dumps(config, indent=2) + "\n").encode()],
+    }
+
+
+def save_peft_adapter(
+    weights: LoRAWeights, path: Path, *, base_model: str
+) -> dict[str, FileDigest]:
+    """Write `weights` as a PEFT directory (config + safetensors), each file fsynced.
+
+    The caller makes it visible atomically (write to a temp dir, then rename) and
+    fsyncs the directory.
+
+    Returns:
+        File name -> its sha256 and size, computed from what was written (no read-back).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return write_files(path, peft_files(weights, base_model=base_model))

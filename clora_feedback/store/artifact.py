@@ -10,6 +10,8 @@ A version directory holds
 
 Every file is fsynced before the manifest is written, and the manifest before
 the directory, so a directory whose manifest exists is complete on disk. The
+payload files are written in one pass and fsynced together (`tensor_files`),
+their digests taken from the bytes written, not read back. The
 content hash is the sha256 of `<sha256>  <name>` lines (sorted by name, as
 `sha256sum` prints them) over the files other than the manifest.
 
@@ -41,15 +43,11 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from clora_feedback.errors import AdapterError, IntegrityError, StoreError
-from clora_feedback.lora.peft_io import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    load_peft_adapter,
-    save_peft_adapter,
-)
+from clora_feedback.lora.peft_io import CONFIG_NAME, WEIGHTS_NAME, load_peft_adapter, peft_files
+from clora_feedback.lora.tensor_files import encode_safetensors, write_files
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
 from clora_feedback.store.versions import AGENT_NAME
 
@@ -122,16 +120,12 @@ def write_version_dir(
         bytes) and `content_hash`.
     """
     path = Path(path)
-    save_peft_adapter(weights, path, base_model=base_model)  # fsyncs its own files
+    path.mkdir(parents=True)
+    files = peft_files(weights, base_model=base_model)
     if optimizer_state is not None:
-        # Own contiguous copies: safetensors refuses views that share storage.
-        tensors = {
-            str(k): v.detach().to("cpu").contiguous().clone() for k, v in optimizer_state.items()
-        }
-        save_file(tensors, str(path / OPTIMIZER_NAME), metadata={"format": "pt"})
-        fsync_path(path / OPTIMIZER_NAME)
-    names = payload_names(optimizer_state is not None)
-    digests = {name: file_sha256(path / name) for name in names}
+        files[OPTIMIZER_NAME] = encode_safetensors(optimizer_state, {"format": "pt"})
+    # Every payload file is written, then all are fsynced at once while hashed from memory.
+    written = write_files(path, files)
     manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         **meta,
@@ -144,13 +138,13 @@ def write_version_dir(
             "target_modules": list(weights.target_modules),
         },
         "files": {
-            name: {"sha256": digest, "bytes": (path / name).stat().st_size}
-            for name, digest in digests.items()
+            name: {"sha256": written[name].sha256, "bytes": written[name].size}
+            for name in payload_names(optimizer_state is not None)
         },
-        "content_hash": content_hash(digests),
+        "content_hash": content_hash({name: d.sha256 for name, d in written.items()}),
     }
-    (path / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")
-    fsync_path(path / MANIFEST_NAME)
+    text = json.dumps(manifest, indent=2, allow_nan=False) + "\n"
+    write_files(path, {MANIFEST_NAME: [text.encode()]})  # after the payload is durable
     fsync_path(path)
     return manifest
 
