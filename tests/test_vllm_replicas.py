@@ -366,3 +366,35 @@ async def test_a_trainer_hand_off_loads_the_new_version_into_vllm_without_the_wa
         finally:
             await deployer.stop()
             await engine.stop()
+
+
+async def test_a_new_version_serves_at_once_and_the_drained_old_name_is_unloaded_after(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The old name's unload runs after `load_adapter` returns (off the publish's path), and
+    it still happens: the server ends with the new name only."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    servers = StandInServers(tokenizer)
+    async with servers.run(1) as [url]:
+        config = EngineConfig(kind="vllm", vllm={"urls": [url]}, max_model_len=512)  # type: ignore[arg-type]
+        engine = VLLMEngine(tiny_model_dir, config, model_name="t")
+        await engine.start()
+        try:
+            for version in (1, 2):
+                path = tmp_path / f"support-v{version}"
+                weights = random_lora_weights(engine.lora_limits, seed=version, rank=4)
+                save_peft_adapter(weights, path, base_model="t")
+                await engine.load_adapter(AdapterRef("support", version, path))
+            request = GenerationRequest("r", "support", list(tokenizer.encode("hi")),
+                                        SamplingParams(max_tokens=1))  # fmt: skip
+            chunks = [c async for c in engine.add_request(request)]
+            assert {t.adapter_version for c in chunks for t in c.tokens} == {2}
+            assert servers.sent_to[-1][1].startswith("support@v2+")
+            for _ in range(600):  # a guard against a hang, not a timing
+                if len(servers.loaded[url]) == 1:
+                    break
+                await asyncio.sleep(0.05)
+            [loaded] = servers.loaded[url]
+            assert loaded.startswith("support@v2+")
+        finally:
+            await engine.stop()

@@ -26,7 +26,7 @@ one started by `VLLMSupervisor` on `--model`):
    (what any request costs on vLLM, published or not). The trainer itself
    relies on the deployer's hand-off, or the watcher, which adds up to
    `engine.adapter_poll_interval_s` between the write and the load; that wait
-   is reported apart.
+   is reported apart. `--publish-only` runs this one alone (no gateway process).
 
 The gateway runs as its own `clora serve` process on the same settings (trainer
 and Kafka off), as a user runs it; one aiohttp client drives both sides, so the
@@ -83,6 +83,7 @@ class Options:
         throughput_reps: alternated repetitions of each batch in 1. and 2. (median kept).
         publishes: publishes measured in 3. (median kept).
         json_path: also write the results here.
+        publish_only: run 3. only (no gateway process; rows 1. and 2. left out).
     """
 
     model: str
@@ -95,6 +96,7 @@ class Options:
     throughput_reps: int
     publishes: int
     json_path: Path | None
+    publish_only: bool = False
 
 
 def parse_options(argv: Sequence[str]) -> Options:
@@ -111,6 +113,7 @@ def parse_options(argv: Sequence[str]) -> Options:
     p.add_argument("--throughput-reps", type=int, default=None, help="Batch pairs in 1. and 2.")
     p.add_argument("--publishes", type=int, default=None, help="Publishes timed in 3.")
     p.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
+    p.add_argument("--publish-only", action="store_true", help="Run 3. only (no gateway).")
     p.add_argument("--omp-wait-policy", default="passive", help=argparse.SUPPRESS)
     a = p.parse_args(list(argv))
     return Options(
@@ -124,6 +127,7 @@ def parse_options(argv: Sequence[str]) -> Options:
         throughput_reps=a.throughput_reps or (1 if a.quick else 4),
         publishes=a.publishes or (2 if a.quick else 5),
         json_path=a.json,
+        publish_only=a.publish_only,
     )
 
 
@@ -345,6 +349,22 @@ async def bench_publish(engine: VLLMEngine, work: Path, o: Options) -> dict[str,
 
 async def measure(o: Options, url: str, model_dir: Path, work: Path) -> dict[str, float]:
     config = engine_config(o, model_dir, url)
+    results: dict[str, float] = {}
+    if not o.publish_only:
+        results |= await measure_gateway(o, config, url, model_dir, work)
+    publisher = VLLMEngine(model_dir, config)
+    await publisher.start()
+    try:
+        results |= await bench_publish(publisher, work / "publish", o)
+    finally:
+        await publisher.stop()
+    return results
+
+
+async def measure_gateway(
+    o: Options, config: EngineConfig, url: str, model_dir: Path, work: Path
+) -> dict[str, float]:
+    """1. and 2.: through a `clora serve` process on the same server."""
     adapters = []
     probe = VLLMEngine(model_dir, config)
     for i, agent in enumerate(AGENTS):
@@ -386,17 +406,11 @@ async def measure(o: Options, url: str, model_dir: Path, work: Path) -> dict[str
                 await probe.stop()
     finally:
         gateway.stop()
-    publisher = VLLMEngine(model_dir, config)
-    await publisher.start()
-    try:
-        results |= await bench_publish(publisher, work / "publish", o)
-    finally:
-        await publisher.stop()
     return results
 
 
 def table(v: dict[str, float], o: Options) -> str:
-    rows = [
+    serving = [] if o.publish_only else [
         (f"1. gateway vs vLLM's own server, {o.streams} streams x {o.new_tokens} tokens (tokens/s)",
          f"**{v['throughput_ratio']:.2f}x** ({v['gateway_tok_s']:.0f} vs {v['direct_tok_s']:.0f})",
          ">= 0.95x"),
@@ -408,6 +422,9 @@ def table(v: dict[str, float], o: Options) -> str:
         ("2. 8 rows on 8 adapters vs 8 rows on one, through the gateway (decode steps/s)",
          f"**{v['adapters_ratio']:.2f}x** ({v['mixed_steps_s']:.1f} vs "
          f"{v['one_adapter_steps_s']:.1f})", ">= 0.9x"),
+    ]  # fmt: skip
+    rows = [
+        *serving,
         ("3. publish: weights in hand -> first token of the new version on vLLM",
          f"**{v['publish_total_ms']:.0f} ms** (write {v['write_ms']:.0f}, load {v['load_ms']:.0f}, "
          f"first token {v['first_token_ms']:.0f}, vs {v['ttft_floor_ms']:.0f} for any new "

@@ -383,25 +383,30 @@ class Deployer(BackgroundTask):
             with self._engine_lock:
                 yield
 
-    def _pointer(self, agent: str) -> int | None:
+    def _active(self, agent: str) -> VersionInfo | None:
         try:
-            info = self.registry.active(agent)
+            return self.registry.active(agent)
         except NotFoundError:
             return None
+
+    def _pointer(self, agent: str) -> int | None:
+        info = self._active(agent)
         return None if info is None else info.version
 
     async def _ref(self, agent: str, version: int) -> AdapterRef:
-        """The version as the engine is asked to serve it (tensors too for an in-process engine,
-        read with the registry's content-hash check)."""
+        """The version as the engine is asked to serve it."""
+        return await self._ref_of(await asyncio.to_thread(self.registry.get, agent, version))
 
-        def read() -> AdapterRef:
-            info = self.registry.get(agent, version)
-            weights = None
-            if self._in_memory is not None:
-                weights, _ = self.registry.load(agent, version, limits=self.engine.lora_limits)
-            return AdapterRef(agent, version, info.path, weights)
-
-        return await asyncio.to_thread(read)
+    async def _ref_of(self, info: VersionInfo) -> AdapterRef:
+        """`info` as the engine is asked to serve it: its directory (an engine that reads it
+        itself: no further registry read), and for an in-process engine its tensors, read
+        with the registry's content-hash check."""
+        weights = None
+        if self._in_memory is not None:
+            weights, _ = await asyncio.to_thread(
+                self.registry.load, info.agent, info.version, limits=self.engine.lora_limits
+            )
+        return AdapterRef(info.agent, info.version, info.path, weights)
 
     async def _install(self, ref: AdapterRef) -> None:
         await self.engine.load_adapter(ref)
@@ -421,18 +426,19 @@ class Deployer(BackgroundTask):
 
     async def _follow(self, agent: str) -> int | None:
         """Bring the engine to `agent`'s pointer (the caller holds the move locks)."""
-        want = await asyncio.to_thread(self._pointer, agent)
+        info = await asyncio.to_thread(self._active, agent)  # one read: the version and its path
+        want = None if info is None else info.version
         if want == self.serving(agent):
             return want
-        if want is None:
+        if info is None:
             await self.engine.unload_adapter(agent)
             self._serving.pop(agent, None)
             log.info("agent %s: serving the base model (no active version)", agent)
             return None
         try:
-            await self._install(await self._ref(agent, want))
+            await self._install(await self._ref_of(info))
         except CloraError:
-            self._failed[agent] = want
+            self._failed[agent] = info.version
             raise
-        log.info("agent %s: serving active version %d", agent, want)
-        return want
+        log.info("agent %s: serving active version %d", agent, info.version)
+        return info.version

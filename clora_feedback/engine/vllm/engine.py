@@ -559,8 +559,8 @@ class VLLMEngine:
             )
             await replicas.load_where_needed(served, live)
             drained = self._names.publish(served)
-            if drained is not None:
-                await replicas.unload_everywhere(drained)
+            if drained is not None:  # off the publish's path, like a drained name's unload
+                self._background(replicas.unload_everywhere(drained))
         log.info("vLLM engine: agent %s serves v%d as %s", ref.agent, ref.version, served.name)
 
     async def unload_adapter(self, agent: str) -> None:
