@@ -134,3 +134,31 @@ async def test_a_streamed_direct_reply_with_a_second_choice_is_refused() -> None
     one = "data: " + json.dumps(chunks[0]) + "\n\ndata: [DONE]\n\n"
     async with answer(one) as http:
         assert await vllm_serve._direct(http, {"prompt": [1, 2, 3]}) == 1
+
+
+def test_process_cpu_s_reads_a_processes_own_cpu_time_from_proc() -> None:
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nx = 0\nfor i in range(5_000_000): x += i\nsys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        first = vllm_serve.process_cpu_s(child.pid)
+        assert first is not None and first >= 0.0
+        deadline = time.monotonic() + 60
+        while (now := vllm_serve.process_cpu_s(child.pid)) is not None and now <= first:
+            assert time.monotonic() < deadline, "the child's CPU time never grew"
+            time.sleep(0.05)
+        assert now is not None and now > first  # the busy loop's CPU is counted
+    finally:
+        child.communicate(b"")
+    assert vllm_serve.process_cpu_s(child.pid) is None  # gone: no /proc entry
+    assert vllm_serve.process_cpu_s(None) is None
+    assert vllm_serve.process_cpu_s(os.getpid()) is not None

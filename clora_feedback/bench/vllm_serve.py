@@ -12,7 +12,9 @@ one started by `VLLMSupervisor` on `--model`):
    ratio (goal >= 0.95x), and the p50 latency the gateway adds to a one-token
    completion (median over pairs, run in alternating order; goal < 2 ms),
    beside vLLM's own latency for the same request with a one-token prompt
-   (how much of it is prefill);
+   (how much of it is prefill), and the gateway process's CPU time per
+   one-token request over the same pairs (`/proc/<pid>/stat`: what it adds
+   on a core of its own, without the noise of vLLM's time per request);
 2. 8 rows on 8 adapters vs 8 rows on one adapter through the gateway, as
    decode steps per second: steps are the longest row's completion tokens
    (random adapters can stop rows early, so tokens would flatter one side);
@@ -41,6 +43,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
 import statistics
 import tempfile
 import time
@@ -216,6 +220,17 @@ def _direct_body(engine: VLLMEngine, prompt_ids: list[int], new_tokens: int) -> 
     return {"model": engine.served_model, **engine.completion_body(request)}
 
 
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system, all threads) process `pid` has used so far, from
+    `/proc/<pid>/stat` (clock-tick resolution); None where there is no such file."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, TypeError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def median_interval(values: Sequence[float]) -> tuple[float, float]:
     """A distribution-free ~95% confidence interval for the median of `values`: the order
     statistics at n/2 -+ 0.98 sqrt(n) (the binomial's normal approximation)."""
@@ -231,8 +246,11 @@ async def bench_gateway_vs_direct(
     engine: VLLMEngine,
     trajectories: TrajectoryStore,
     o: Options,
+    gateway_pid: int | None = None,
 ) -> dict[str, float]:
-    """1. throughput ratio and added latency, gateway vs vLLM's own server."""
+    """1. throughput ratio and added latency, gateway vs vLLM's own server; with
+    `gateway_pid`, also the gateway process's own CPU time per one-token request (what it
+    adds on an idle core, free of the noise in vLLM's own time)."""
     ids = await gateway_prompt_ids(gw, direct, trajectories, engine)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(o.streams)]
     bodies = [_direct_body(engine, ids[i % len(ids)], o.new_tokens) for i in range(o.streams)]
@@ -247,7 +265,10 @@ async def bench_gateway_vs_direct(
         rates["direct"].append(n / (time.perf_counter() - t0))
     diffs, gw_ms, direct_ms = [], [], []
     one = _direct_body(engine, ids[0], 1)
+    cpu_start = None
     for i in range(o.latency_reps + 3):
+        if i == 3:
+            cpu_start = process_cpu_s(gateway_pid)
         times = {}
         for side in ("gateway", "direct") if i % 2 else ("direct", "gateway"):  # both orders
             t0 = time.perf_counter()
@@ -260,6 +281,7 @@ async def bench_gateway_vs_direct(
             gw_ms.append(times["gateway"])
             direct_ms.append(times["direct"])
             diffs.append(gw_ms[-1] - direct_ms[-1])
+    cpu_end = process_cpu_s(gateway_pid)
     short = _direct_body(engine, ids[0][-1:], 1)  # the same request with a one-token prompt
     short_ms = []
     for _ in range(5):
@@ -272,7 +294,9 @@ async def bench_gateway_vs_direct(
             "gateway_ms": statistics.median(gw_ms), "direct_ms": statistics.median(direct_ms),
             "added_p50_ms": statistics.median(diffs), "added_p50_low_ms": low,
             "added_p50_high_ms": high, "prompt_tokens": float(len(ids[0])),
-            "direct_one_token_prompt_ms": statistics.median(short_ms)}  # fmt: skip
+            "direct_one_token_prompt_ms": statistics.median(short_ms),
+            "gateway_cpu_ms": (math.nan if cpu_start is None or cpu_end is None
+                               else (cpu_end - cpu_start) * 1e3 / len(diffs))}  # fmt: skip
 
 
 async def bench_adapters(gw: aiohttp.ClientSession, o: Options) -> dict[str, float]:
@@ -399,7 +423,10 @@ async def measure_gateway(
             await probe.start()  # for the served model's name
             trajectories = TrajectoryStore(settings.trajectory_db)  # what the gateway recorded
             try:
-                results |= await bench_gateway_vs_direct(gw, direct, probe, trajectories, o)
+                pid = None if gateway.proc is None else gateway.proc.pid
+                results |= await bench_gateway_vs_direct(
+                    gw, direct, probe, trajectories, o, gateway_pid=pid
+                )
                 results |= await bench_adapters(gw, o)
             finally:
                 trajectories.close()
@@ -419,6 +446,8 @@ def table(v: dict[str, float], o: Options) -> str:
          f"{v['added_p50_high_ms']:.1f}; gateway {v['gateway_ms']:.1f} vs vLLM "
          f"{v['direct_ms']:.1f} ms, {v['prompt_tokens']:.0f}-token prompt; vLLM with a "
          f"1-token prompt: {v['direct_one_token_prompt_ms']:.1f} ms)", "< 2 ms"),
+        ("1. the gateway process's own CPU time per one-token request (all its threads)",
+         f"**{v.get('gateway_cpu_ms', math.nan):.2f} ms**", ""),
         ("2. 8 rows on 8 adapters vs 8 rows on one, through the gateway (decode steps/s)",
          f"**{v['adapters_ratio']:.2f}x** ({v['mixed_steps_s']:.1f} vs "
          f"{v['one_adapter_steps_s']:.1f})", ">= 0.9x"),
