@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import clora_feedback.store.artifact as artifact
 import clora_feedback.train.step as step_module
@@ -44,16 +45,15 @@ def main() -> None:
     if where == "step":
         step_module.adam_step = die  # type: ignore[assignment]
     elif where == "publish":
-        real_fsync = artifact.fsync_path
-        calls = {"n": 0}
+        real_write = artifact.write_files
 
-        def fsync_then_die(path: Path) -> None:
-            real_fsync(path)
-            calls["n"] += 1
-            if Path(path).name == artifact.OPTIMIZER_NAME:
-                die()
+        def write_then_die(directory: Path, files: Any) -> Any:
+            written = real_write(directory, files)  # payload written and fsynced
+            if artifact.OPTIMIZER_NAME in files:
+                die()  # before the manifest and the rename
+            return written
 
-        artifact.fsync_path = fsync_then_die  # type: ignore[assignment]
+        artifact.write_files = write_then_die  # type: ignore[assignment]
     print("ready", flush=True)
     while True:
         trainer.run_round()

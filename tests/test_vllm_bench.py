@@ -32,7 +32,7 @@ def test_serve_bench_on_vllm_runs_every_measurement(
              "--throughput-reps", "1"]  # fmt: skip
     assert run_bench("serve", [*argv, "--json", str(tmp_path / "vllm.json")]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip()[:2] for r in rows[1:]] == ["1.", "1.", "2.", "3.", "3."]
+    assert [r.split("|")[1].strip()[:2] for r in rows[1:]] == ["1.", "1.", "1.", "2.", "3.", "3."]
     results = json.loads((tmp_path / "vllm.json").read_text())
     keys = ("throughput_ratio", "adapters_ratio", "write_ms", "load_ms", "first_token_ms",
             "ttft_floor_ms")  # fmt: skip
