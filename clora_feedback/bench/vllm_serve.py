@@ -289,9 +289,8 @@ async def bench_gateway_vs_direct(
             diffs.append(gw_ms[-1] - direct_ms[-1])
     cpu_end, t_pairs = process_cpu_s(gateway_pid), time.perf_counter() - (t_pairs or 0.0)
     cpu_ms = idle_rate = math.nan
-    if None not in (cpu_start, cpu_end, idle_start, idle_end):
-        assert cpu_start is not None and cpu_end is not None  # for mypy
-        assert idle_start is not None and idle_end is not None
+    if (cpu_start is not None and cpu_end is not None
+            and idle_start is not None and idle_end is not None):  # fmt: skip
         idle_rate = (idle_end - idle_start) / t_idle  # CPU s per s with no request
         cpu_ms = (cpu_end - cpu_start - idle_rate * t_pairs) * 1e3 / len(diffs)
     short = _direct_body(engine, ids[0][-1:], 1)  # the same request with a one-token prompt

@@ -307,15 +307,9 @@ class _SQLiteDatabase:
     @contextlib.contextmanager
     def write(self) -> Iterator[Tx]:
         with self._lock, self._translate("write"):
-            conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._tx
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
+            self._conn.execute("BEGIN IMMEDIATE")
+            with self._begun() as tx:
+                yield tx
 
     @contextlib.contextmanager
     def write_nowait(self) -> Iterator[Tx | None]:
@@ -324,30 +318,40 @@ class _SQLiteDatabase:
             return
         try:
             with self._translate("write"):
-                conn = self._conn
-                # Another connection holding SQLite's write lock answers BUSY at once.
-                conn.execute("PRAGMA busy_timeout=0")
-                try:
-                    conn.execute("BEGIN IMMEDIATE")
-                    begun = True
-                except sqlite3.OperationalError as exc:
-                    if exc.sqlite_errorcode not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-                        raise
-                    begun = False
-                finally:
-                    conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
-                if not begun:
+                if not self._try_begin():
                     yield None
                     return
-                try:
-                    yield self._tx
-                    conn.execute("COMMIT")
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
+                with self._begun() as tx:
+                    yield tx
         finally:
             self._lock.release()
+
+    def _try_begin(self) -> bool:
+        """`BEGIN IMMEDIATE` unless another connection holds SQLite's write lock (then False
+        at once, instead of waiting out the busy timeout)."""
+        conn = self._conn
+        conn.execute("PRAGMA busy_timeout=0")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return True
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                raise
+            return False
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+
+    @contextlib.contextmanager
+    def _begun(self) -> Iterator[Tx]:
+        """The transaction just begun: committed when the block exits, rolled back if it raises."""
+        conn = self._conn
+        try:
+            yield self._tx
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
     def checkpoint(self) -> None:
         with self._lock, self._translate("checkpoint"):

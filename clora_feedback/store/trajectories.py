@@ -544,6 +544,9 @@ class AsyncTrajectoryStore(AsyncLifecycle):
         self.url = redact(os.fspath(url))
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._inline_max_tokens = inline_max_tokens
+        self._inline = (
+            inline_max_tokens > 0 and synchronous == "NORMAL" and not is_postgres_url(url)
+        )
         self._checkpoint_every = checkpoint_every
         self._since_checkpoint = 0
         self._checkpoint: asyncio.Future[None] | None = None
@@ -554,11 +557,7 @@ class AsyncTrajectoryStore(AsyncLifecycle):
     @property
     def inline_writes(self) -> bool:
         """Whether `record` may commit on the event loop (SQLite, `NORMAL`, a token limit)."""
-        return (
-            self._inline_max_tokens > 0
-            and self._synchronous == "NORMAL"
-            and not is_postgres_url(self._url)
-        )
+        return self._inline
 
     @property
     def path(self) -> Path:
