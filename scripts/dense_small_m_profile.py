@@ -4,9 +4,9 @@ Two measurements on the default model's shapes, bf16 weights, this CPU:
 
 1. Each projection shape (qkv, o, gate_up, down: 30 distinct weights each,
    read in turn as a decode step reads them, so caches are cold; lm_head: 2)
-   for 1..4 rows: the fp32 path of `upcast` (the `blocked` kernel on the fp32
-   copy) against `F.linear` on the bf16 weight with the casts `upcast` does
-   (fp32 in, fp32 out); minimum of 6 passes, microseconds per weight.
+   for 1..4 rows: the fp32 path of `upcast` (`fp32_kernel` on the fp32 copy:
+   oneDNN-packed, or `blocked` without oneDNN) against `F.linear` on the bf16
+   weight with the casts `upcast` does (fp32 in, fp32 out); minimum of 6 passes, microseconds per weight.
 2. `LoRAModel.decode` in bf16 for 1, 2, 3 and 8 rows with every kernel's
    `reduced_rows` as built (`_REDUCED_ROWS`) against none (the fp32 copy for
    every row count), interleaved; minimum wall ms per step over 5 x 16 steps.
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from clora_feedback.config import EngineConfig
-from clora_feedback.engine.dense import _blocked
+from clora_feedback.engine.dense import fp32_kernel
 from clora_feedback.engine.model import KVCache, LoRAModel
 from clora_feedback.lora.ops import LoRABatch
 from clora_feedback.models.resolve import resolve_model_dir
@@ -46,7 +46,7 @@ def _best(fn: Callable[[], object], reps: int) -> float:
 
 def _shape(name: str, out: int, fan_in: int, copies: int, gen: torch.Generator) -> None:
     w16 = [torch.randn(out, fan_in, generator=gen).bfloat16() for _ in range(copies)]
-    k32 = [_blocked(w.float()) for w in w16]
+    k32 = [fp32_kernel(w.float()) for w in w16]
     for m in (1, 2, 3, 4):
         x = torch.randn(m, fan_in, generator=gen).bfloat16().float()
         with torch.inference_mode():

@@ -5,8 +5,8 @@
   against `lora_delta_reference`, with B stored both ways.
 - `add_lora_update_` (B in block form, as `LoRASlots` writes it, for every
   mix of targeted members) against the same reference on the dense form.
-- `DenseKernels` (blocked fp32, oneDNN-packed bf16) against `F.linear`, for
-  every batch size the engine uses.
+- `DenseKernels` (oneDNN-packed and blocked fp32, packed or upcast bf16)
+  against `F.linear`, for every batch size the engine uses.
 - `LoRAModel.decode` (rows in any order, equal or different positions, so with
   and without the attention mask) against Hugging Face on the full sequence.
 - `LoRAModel.prefill` and `decode` with adapters in their slots against the
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from clora_feedback.engine import dense
 from clora_feedback.engine.dense import DenseKernels, packed_supported
 from clora_feedback.engine.model import KVCache, LoRAModel, LoRASlots
 from clora_feedback.lora.ops import (
@@ -184,7 +185,10 @@ def test_auto_kernel_per_dtype() -> None:
             "down": torch.randn(8, 8),
         }
     ]
-    assert DenseKernels.build(w, torch.randn(64, 8)).name == "blocked"
+    fp32_packed = packed_supported(torch.float32, CPU)  # oneDNN's fp32 linear: any x86 CPU
+    assert DenseKernels.build(w, torch.randn(64, 8)).name == (
+        "packed" if fp32_packed else "blocked"
+    )
     wb = [{k: v.bfloat16() for k, v in w[0].items()}]
     head = torch.randn(64, 8).bfloat16()
     supported = packed_supported(torch.bfloat16, CPU)
@@ -203,6 +207,23 @@ def test_auto_kernel_per_dtype() -> None:
             torch.testing.assert_close(
                 got.float(), F.linear(x.float(), head.float()), rtol=2e-2, atol=0.3
             )
+
+
+def test_failed_fp32_packing_falls_back_to_blocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A oneDNN that cannot pack fp32 weights leaves the no-copy `blocked` kernel, not `linear`."""
+
+    def cannot_pack(w: torch.Tensor) -> object:
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(dense, "_packed", cannot_pack)
+    gen = torch.Generator().manual_seed(3)
+    layers = [{"qkv": torch.randn(128, 16, generator=gen), "o": torch.randn(16, 16, generator=gen)}]
+    head = torch.randn(64, 16, generator=gen)
+    kernels = DenseKernels.build(layers, head, "packed")
+    assert kernels.name == "blocked"
+    x = torch.randn(6, 16, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.layers[0]["qkv"](x), F.linear(x, layers[0]["qkv"]))
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,13 @@
 
 `DenseKernels.build` picks, per dtype and device, a callable per weight that
 computes `x @ W.T` with the semantics of `F.linear` but a faster CPU path
-where one exists (measurements in docs/benchmarks.md): MKL repacks the whole
-weight on every small-batch GEMM call, so 4..15 fp32 rows are multiplied by
-64-row blocks of W as one batched matmul; bf16 weights are pre-packed once
-for oneDNN, or, where oneDNN has no bf16 path, multiplied as fp32 copies
-except for 1..3 rows (bf16 GEMV reads half the bytes). Inference only (no
-autograd).
+where one exists (measurements in docs/benchmarks.md): MKL's own GEMM repacks
+the whole weight on every small-batch call, so on a CPU with oneDNN each
+weight is packed once into oneDNN's blocked layout (fp32, and bf16 where
+oneDNN has a bf16 path); without oneDNN, 4..15 fp32 rows are multiplied by
+64-row blocks of W as one batched matmul; bf16 weights on a CPU without a
+oneDNN bf16 path are multiplied as (packed) fp32 copies except for 1..2 rows
+(bf16 GEMV reads half the bytes). Inference only (no autograd).
 
 Not here: the model (see `model`), LoRA (see `clora_feedback.lora.ops`).
 """
@@ -49,33 +50,40 @@ class DenseKernels:
     ) -> DenseKernels:
         """Pick the kernel for these weights' dtype and device.
 
-        - `packed` (bf16 on CPU with oneDNN): each weight pre-packed once into
-          oneDNN's blocked layout (a second copy); ~1.5x faster than `F.linear`.
-        - `blocked` (fp32 on CPU): no copy; for 4..15 rows the product runs as
-          one batched matmul over 64-row blocks of W, which MKL streams ~1.5x
-          (lm_head ~2.4x) faster than its small-M GEMM; other sizes use `F.linear`.
-        - `upcast` (bf16/fp16 on a CPU where `packed` cannot run, e.g. AVX2 only):
-          there a bf16 GEMM of 4+ rows converts on every call and runs at about
-          half the fp32 speed, so each weight keeps an fp32 copy of its (exactly
-          representable) values, multiplied by the `blocked` kernel: fp32 in and
-          out (the caller casts around the projection). A second copy in memory.
-          1..3 bf16 rows (`_REDUCED_ROWS`) are multiplied by the bf16 weight
+        - `packed` (fp32 on a CPU with oneDNN; bf16 where oneDNN has a bf16
+          path): each weight pre-packed once into oneDNN's blocked layout (a
+          second copy in memory). fp32 on this AVX2 CPU: 1.1-2.6x the `blocked`
+          kernel from 1 to 48 rows (decode and prefill); bf16: ~1.5x `F.linear`.
+        - `blocked` (fp32 on CPU without oneDNN): no copy; for 4..15 rows the
+          product runs as one batched matmul over 64-row blocks of W, which MKL
+          streams ~1.5x (lm_head ~2.4x) faster than its small-M GEMM; other
+          sizes use `F.linear`.
+        - `upcast` (bf16/fp16 on a CPU where `packed` bf16 cannot run, e.g. AVX2
+          only): there a bf16 GEMM of 4+ rows converts on every call and runs at
+          about half the fp32 speed, so each weight keeps an fp32 copy of its
+          (exactly representable) values, multiplied as `packed` fp32 (or
+          `blocked` without oneDNN): fp32 in and out (the caller casts around
+          the projection). A second copy in memory.
+          1..2 bf16 rows (`_REDUCED_ROWS`) are multiplied by the bf16 weight
           itself: torch's bf16 GEMV accumulates in fp32 and reads half the bytes
-          (1.1-4x the fp32 path at 1..3 rows on the model's shapes, about even
-          at 4; docs/benchmarks.md). The product is rounded to bf16, as `packed`'s is.
+          (1.6-1.9x the packed fp32 copy at 1 row on the model's shapes,
+          1.1-1.7x at 2, about even at 3; docs/benchmarks.md). The product is
+          rounded to bf16, as `packed`'s is.
         - `linear`: `F.linear` on the plain weights (CUDA, other dtypes).
 
         A non-plain kernel is checked against `F.linear` on the first weight and
-        replaced by `linear` if it disagrees or fails (so a forced `packed`
-        where `packed_supported` is false reports `linear`).
+        replaced if it disagrees or fails: fp32 `packed` by `blocked`, anything
+        else by `linear` (so a forced bf16 `packed` where `packed_supported` is
+        false reports `linear`).
         """
+        dtype, cpu = lm_head.dtype, lm_head.device.type == "cpu"
         if kernel == "auto":
             kernel = "linear"
-            if lm_head.device.type == "cpu" and lm_head.dtype == torch.float32:
-                kernel = "blocked"
-            elif packed_supported(lm_head.dtype, lm_head.device):
+            if packed_supported(dtype, lm_head.device):
                 kernel = "packed"
-            elif lm_head.device.type == "cpu" and lm_head.dtype in (torch.bfloat16, torch.float16):
+            elif cpu and dtype == torch.float32:
+                kernel = "blocked"
+            elif cpu and dtype in (torch.bfloat16, torch.float16):
                 kernel = "upcast"
         make = {"packed": _packed, "blocked": _blocked, "upcast": _upcast, "linear": _plain}[kernel]
         try:
@@ -92,7 +100,8 @@ class DenseKernels:
                 return built
         except RuntimeError:
             pass
-        return cls.build(layers, lm_head, "linear")
+        fallback = "blocked" if kernel == "packed" and cpu and dtype == torch.float32 else "linear"
+        return cls.build(layers, lm_head, fallback)
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -124,9 +133,10 @@ def _blocked(w: torch.Tensor) -> Linear:
 
 
 # Rows for which `upcast` multiplies by the bf16 weight itself (see `DenseKernels.build`).
-# Measured on the model's shapes with cold caches (AVX2, 1 and 2 threads): bf16 F.linear
-# beats the fp32 path at 1..3 rows for every shape and not at 4+ rows, where `blocked` runs.
-_REDUCED_ROWS = range(1, 4)
+# Measured on the model's shapes with cold caches (AVX2, 2 threads): bf16 F.linear beats
+# the oneDNN-packed fp32 copy at 1..2 rows for every shape, ties at 3 and loses from 4 on.
+# (Against the older `blocked` fp32 path it won up to 3 rows.)
+_REDUCED_ROWS = range(1, 3)
 
 
 class _Upcast:
@@ -140,7 +150,7 @@ class _Upcast:
     def __init__(self, w: torch.Tensor):
         self.weight = w
         self.reduced_rows = _REDUCED_ROWS if w.dtype == torch.bfloat16 else range(0)
-        self.fp32 = _blocked(w.float())
+        self.fp32 = fp32_kernel(w.float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() <= 2 and (x.shape[0] if x.dim() == 2 else 1) in self.reduced_rows:
@@ -154,23 +164,37 @@ def _upcast(w: torch.Tensor) -> Linear:
 
 
 def packed_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the `packed` kernel can run here: bf16 on a CPU whose oneDNN has a bf16 path.
+    """Whether the `packed` kernel can run here: fp32 or bf16 on a CPU with oneDNN.
 
     A CPU-feature probe, not a timing one, so the choice is the same on every
-    run of one machine. oneDNN's bf16 weight reorder needs AVX512-BW/VL/DQ or
-    AVX-NE-CONVERT; on a plain AVX2 CPU it raises, and `linear` is used.
+    run of one machine. fp32 needs only oneDNN's linear ops (any x86 CPU);
+    oneDNN's bf16 weight reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, and
+    on a plain AVX2 CPU bf16 is not supported (`upcast` is used).
     """
-    if dtype != torch.bfloat16 or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if dtype not in _PACK_BATCH or device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")):
         return False
+    if dtype == torch.float32:
+        return True
     probe = getattr(ops, "_is_mkldnn_bf16_supported", None)
     return bool(probe()) if probe is not None else True
 
 
+# The batch size oneDNN picks its packed layout for. fp32: 8 rows, the best single
+# choice measured here from 1 to 48 rows (docs/benchmarks.md); bf16: 1 (not measured
+# on this AVX2 CPU, which has no oneDNN bf16 path).
+_PACK_BATCH = {torch.float32: 8, torch.bfloat16: 1}
+
+
+def fp32_kernel(w: torch.Tensor) -> Linear:
+    """The fastest fp32 kernel for `w` here: `packed` with oneDNN, else `blocked`."""
+    return _packed(w) if packed_supported(torch.float32, w.device) else _blocked(w)
+
+
 def _packed(w: torch.Tensor) -> Linear:
-    blocked = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    blocked = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH.get(w.dtype, 1))
     pointwise = torch.ops.mkldnn._linear_pointwise
 
     def linear(x: torch.Tensor) -> torch.Tensor:
