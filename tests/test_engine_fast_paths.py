@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from clora_feedback.engine import dense
 from clora_feedback.engine.dense import DenseKernels, packed_supported
-from clora_feedback.engine.model import KVCache, LoRAModel, LoRASlots
+from clora_feedback.engine.model import KVCache, LoRAModel, LoRASlots, PrefillChunk
 from clora_feedback.lora.ops import (
     LoRABatch,
     add_lora_delta_,
@@ -337,3 +337,47 @@ def test_mixed_adapters_in_any_row_order_match_each_adapter_alone(
         ids = prompts[1]
         hidden = forward_hidden(model.base, ids.unsqueeze(0), _SlotLoRA(model, [row_slots[1]]))[0]
         torch.testing.assert_close(mixed[1], hidden[-1] @ model.base.lm_head.t(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_many_matches_each_sequence_prefilled_alone(
+    model_dir: Path, dtype: torch.dtype
+) -> None:
+    """Chunks of several sequences in one forward (mixed adapters, the base model, one
+    adapter twice, chunks after a cached prefix and from position 0) give each chunk's
+    logits and write each row's keys/values as that sequence prefilled alone; no other
+    row or position of the cache changes."""
+    model = LoRAModel.from_dir(
+        model_dir, max_loras=3, max_lora_rank=8, target_modules=ALL, dtype=dtype
+    )
+    for slot, rank in ((1, 4), (2, 8), (3, 8)):
+        model.write_slot(slot, random_lora_weights(model.limits, rank=rank, seed=20 + slot))
+    gen = torch.Generator().manual_seed(6)
+    # (row, slot, cached prefix length, chunk length)
+    plan = [(3, 2, 0, 9), (0, 1, 6, 5), (4, 0, 3, 7), (1, 2, 0, 1), (2, 3, 10, 4)]
+    cpu = torch.device("cpu")
+    batched = KVCache(model.config, 6, 32, dtype, cpu)
+    alone = KVCache(model.config, 6, 32, dtype, cpu)
+    chunks, want = [], []
+    for row, slot, cached, length in plan:
+        ids = torch.randint(3, 250, (cached + length,), generator=gen)
+        if cached:  # the same prefix in both caches, as a prefix-cache load would leave it
+            for cache in (batched, alone):
+                model.prefill(ids[:cached], cache, row, slot)
+        chunks.append(PrefillChunk(ids[cached:], row, slot, cached))
+        want.append(model.prefill(ids[cached:], alone, row, slot, start=cached))
+    untouched = batched.k[:, 5].clone()
+    got = model.prefill_many(chunks, batched)
+    assert got.shape == (len(plan), model.config.vocab_size) and got.dtype == torch.float32
+    tol = {"atol": 1e-4, "rtol": 0} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    for i, (row, _, cached, length) in enumerate(plan):
+        torch.testing.assert_close(got[i], want[i], **tol)
+        if dtype == torch.float32:
+            assert got[i].argmax() == want[i].argmax()
+        span = slice(0, cached + length)
+        for stored, ref in ((batched.k, alone.k), (batched.v, alone.v)):
+            torch.testing.assert_close(
+                stored[:, row, :, span].float(), ref[:, row, :, span].float(), **tol
+            )
+    assert torch.equal(batched.k[:, 5], untouched)
+    assert (want[0] - want[3]).abs().max() > 1e-3  # different chunks really differ

@@ -45,7 +45,7 @@ from clora_feedback.chat_format.constraint import vocab_texts
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.detok import Detokenizer
 from clora_feedback.engine.guided import check_supported, compile_guided
-from clora_feedback.engine.model import KVCache, LoRAModel
+from clora_feedback.engine.model import KVCache, LoRAModel, PrefillChunk
 from clora_feedback.engine.prefix_cache import PrefixCache, PrefixChain
 from clora_feedback.engine.sampling import RowSampler, sample_batch
 from clora_feedback.engine.slots import AdapterSlots, HostAdapters
@@ -118,6 +118,9 @@ class EmbeddedEngine:
     """Reference `Engine`: torch on CPU or CUDA, one model, many adapters, one batch."""
 
     prefill_chunk_tokens = 512
+    # One forward for every prompt chunk of a step (`LoRAModel.prefill_many`); False runs
+    # them one sequence at a time (the baseline of scripts/prefill_batch_profile.py).
+    batch_prefill = True
 
     def __init__(
         self, model_dir: Path, config: EngineConfig | None = None, *, model_name: str | None = None
@@ -434,9 +437,14 @@ class EmbeddedEngine:
             self._waiting.remove(seq)
 
     def _prefill(self) -> list[_Sequence]:
-        """Advance prompts under the step's token budget; returns sequences that got their first token."""
+        """Advance prompts under the step's token budget; returns sequences that got their first token.
+
+        The chunks of every sequence in this step run as one forward
+        (`LoRAModel.prefill_many`), so agents that arrive together share the
+        weight reads and the bigger GEMMs.
+        """
         budget = self.prefill_chunk_tokens
-        ready = []
+        work: list[tuple[_Sequence, int, int]] = []
         for seq in [s for s in self._running if s.in_prefill]:
             if budget <= 0:
                 break
@@ -444,14 +452,37 @@ class EmbeddedEngine:
                 self._reuse_prefix(seq)
             start = seq.prefilled
             end = min(seq.prompt_len, start + budget)
-            ids = torch.tensor(seq.request.prompt_token_ids[start:end], device=self.device)
-            logits = self.model.prefill(ids, self.cache, seq.row, seq.slot, start=start)
-            seq.prefilled = end
+            work.append((seq, start, end))
             budget -= end - start
+        if not work:
+            return []
+        chunks = [
+            PrefillChunk(
+                torch.tensor(seq.request.prompt_token_ids[start:end], device=self.device),
+                seq.row,
+                seq.slot,
+                start,
+            )
+            for seq, start, end in work
+        ]
+        if len(chunks) > 1 and self.batch_prefill:
+            logits = self.model.prefill_many(chunks, self.cache)
+        else:
+            logits = torch.stack(
+                [
+                    self.model.prefill(c.token_ids, self.cache, c.row, c.slot, c.start)
+                    for c in chunks
+                ]
+            )
+        ready, first = [], []
+        for i, (seq, _, end) in enumerate(work):
+            seq.prefilled = end
             self._store_prefix(seq, end)
             if not seq.in_prefill:
-                self._accept([seq], logits.unsqueeze(0))
                 ready.append(seq)
+                first.append(i)
+        if ready:
+            self._accept(ready, logits[first])
         return ready
 
     def _reuse_prefix(self, seq: _Sequence) -> None:

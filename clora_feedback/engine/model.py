@@ -8,8 +8,10 @@ and a KV cache that is a fixed array of rows so sequences join and leave the
 batch without reallocation. Its outputs match the differentiable reference
 forward in `clora_feedback.model.decoder` (tests/test_engine_fast_paths.py).
 
-Two entry points: `prefill` (one sequence, many tokens, fills its cache row)
-and `decode` (many sequences, one token each, every row with its own adapter).
+Entry points: `prefill` (one sequence, many tokens, fills its cache row),
+`prefill_many` (prompt chunks of several sequences in one forward, each with
+its own adapter, row and start) and `decode` (many sequences, one token each,
+every row with its own adapter).
 
 Not here: the base weights and the differentiable forward (`clora_feedback.model`),
 scheduling, sampling, tokenisation (see `embedded`, `sampling`).
@@ -17,6 +19,7 @@ scheduling, sampling, tokenisation (see `embedded`, `sampling`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +218,23 @@ class _DecodeStep:
         return torch.bmm(probs, values.reshape(b * kv, self.span, d)).view(b, heads * d)
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's share of a `LoRAModel.prefill_many` forward.
+
+    Attributes:
+        token_ids: [T] prompt tokens at positions start..start+T-1 (T >= 1).
+        row: the sequence's cache row (earlier positions already cached there).
+        slot: adapter slot (0 = base model).
+        start: position of the first token.
+    """
+
+    token_ids: torch.Tensor
+    row: int
+    slot: int
+    start: int = 0
+
+
 class LoRAModel:
     """The decoder for serving: shared base weights plus per-layer adapter slots.
 
@@ -380,6 +400,71 @@ class LoRAModel:
             x = F.rms_norm(h, (c.hidden_size,), layer["post_norm"], c.rms_norm_eps)
             h = h + self._fast_mlp(x, i, lora)
         return self._logits(h[-1])
+
+    @torch.inference_mode()
+    def prefill_many(self, chunks: Sequence[PrefillChunk], cache: KVCache) -> torch.Tensor:
+        """`prefill` for several sequences in one forward; [len(chunks), V] fp32 logits.
+
+        The chunks' tokens are stacked into one [sum T, hidden] batch, so every
+        projection reads its weight once for all of them (a bigger, faster
+        GEMM) and the LoRA update mixes the chunks' adapters per token; only
+        attention runs per chunk, over that sequence's own cache row. Row i of
+        the result is the logits after chunk i's last token. The rows must differ.
+        """
+        c = self.config
+        heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        lengths = [int(ch.token_ids.shape[0]) for ch in chunks]
+        n = sum(lengths)
+        dev = self.device
+        pos_list: list[int] = []
+        row_list: list[int] = []
+        slots: list[int] = []
+        for ch, t in zip(chunks, lengths, strict=True):
+            pos_list += range(ch.start, ch.start + t)
+            row_list += [ch.row] * t
+            slots += [ch.slot] * t
+        positions = torch.tensor(pos_list, device=dev)
+        token_rows = torch.tensor(row_list, device=dev)
+        lora = LoRABatch.from_slots(slots, dev, max(self.slot_ranks[s] for s in set(slots)))
+        cos = self.base.cos[positions].unsqueeze(1)  # [N, 1, D]
+        sin = self._sin_signed[positions].unsqueeze(1)
+        # Flat index of each (token, kv head) in a layer's cache viewed as [rows*K*max_len, D].
+        heads_kv = torch.arange(kv, device=dev)
+        offsets = (
+            (((token_rows * kv).unsqueeze(1) + heads_kv) * cache.max_len)
+            .add_(positions.unsqueeze(1))
+            .view(-1)
+        )
+        spans, first = [], 0
+        for ch, t in zip(chunks, lengths, strict=True):
+            mask = None
+            if ch.start:
+                mask = torch.ones(t, ch.start + t, dtype=torch.bool, device=dev).tril(ch.start)
+            spans.append((first, t, ch, mask))
+            first += t
+        h = self.base.embed[torch.cat([ch.token_ids for ch in chunks])]  # [N, hidden]
+        for i, layer in enumerate(self.base.layers):
+            x = F.rms_norm(h, (c.hidden_size,), layer["in_norm"], c.rms_norm_eps)
+            qkv = self._fast_proj(x, i, "qkv", lora)  # [N, (H+2K)*D]
+            qk = self._fast_rope(qkv[:, : (heads + kv) * d].view(n, heads + kv, d), cos, sin)
+            cache.k[i].view(-1, d).index_copy_(0, offsets, qk[:, heads:].reshape(-1, d))
+            cache.v[i].view(-1, d).index_copy_(
+                0, offsets, qkv[:, (heads + kv) * d :].reshape(-1, d)
+            )
+            outs = []
+            for lo, t, ch, mask in spans:
+                q = qk[lo : lo + t, :heads].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+                keys = cache.k[i, ch.row : ch.row + 1, :, : ch.start + t]
+                values = cache.v[i, ch.row : ch.row + 1, :, : ch.start + t]
+                attn = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+                )
+                outs.append(attn[0].transpose(0, 1).reshape(t, -1))
+            h = h + self._fast_proj(torch.cat(outs), i, "o", lora)
+            x = F.rms_norm(h, (c.hidden_size,), layer["post_norm"], c.rms_norm_eps)
+            h = h + self._fast_mlp(x, i, lora)
+        last = torch.tensor([lo + t - 1 for lo, t, _, _ in spans], device=dev)
+        return self._logits(h.index_select(0, last))
 
     def _fast_mlp(self, x: torch.Tensor, i: int, lora: LoRABatch) -> torch.Tensor:
         gate_up = self._fast_proj(x, i, "gate_up", lora)
