@@ -72,8 +72,8 @@ from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnecte
 from clora_feedback.schemas.openai import (
     ChatCompletionRequest,
     ChatTool,
-    CloraChoiceExtension,
     CloraResponseExtension,
+    choice_extension,
     include_usage,
     stop_list,
 )
@@ -355,9 +355,7 @@ class ChatHandler:
                     "message": message,
                     "logprobs": logprobs,
                     "finish_reason": finish_reason,
-                    "clora": CloraChoiceExtension(
-                        token_ids=state.token_ids, token_versions=state.versions
-                    ).model_dump(),
+                    "clora": choice_extension(state.token_ids, state.versions),
                 }
             )
         payload = {
@@ -493,7 +491,7 @@ class _ChoiceStreamer:
                 "delta": {},
                 "logprobs": None,
                 "finish_reason": self._finish_reason(choice),
-                "clora": CloraChoiceExtension(token_ids=[], token_versions=[]).model_dump(),
+                "clora": choice_extension([], []),
             }
             entries.append(finish)
         return entries
@@ -507,9 +505,7 @@ class _ChoiceStreamer:
             "delta": delta,
             "logprobs": None,
             "finish_reason": None,
-            "clora": CloraChoiceExtension(
-                token_ids=choice.token_ids[start:], token_versions=choice.versions[start:]
-            ).model_dump(),
+            "clora": choice_extension(choice.token_ids[start:], choice.versions[start:]),
         }
         if self._body.logprobs and out.tokens:
             entry["logprobs"] = chat_logprobs(

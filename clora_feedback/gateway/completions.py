@@ -32,9 +32,9 @@ from clora_feedback.gateway.metrics import Metrics
 from clora_feedback.gateway.offload import off_loop
 from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
 from clora_feedback.schemas.openai import (
-    CloraChoiceExtension,
     CloraResponseExtension,
     CompletionRequest,
+    choice_extension,
     include_usage,
     stop_list,
 )
@@ -128,9 +128,7 @@ class CompletionHandler:
             "logprobs": lp,
             # The legacy endpoint has no "abort"; aborted runs never get here.
             "finish_reason": (state.finish_reason or "stop") if final else None,
-            "clora": CloraChoiceExtension(
-                token_ids=token_ids, token_versions=versions
-            ).model_dump(),
+            "clora": choice_extension(token_ids, versions),
         }
 
     def _payload(

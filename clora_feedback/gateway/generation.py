@@ -2,7 +2,8 @@
 
 `GenerationRun` submits one `GenerationRequest` per choice (choice i is seeded
 `(seed + i) mod 2**64`, see `engine.types.choice_seed`),
-merges their streams into one async sequence of `(choice, chunk)` events and
+merges their streams into one async sequence of `(choice, chunk)` events (one
+choice: its stream read as it is, without a merge task) and
 accumulates per-choice token ids, behaviour logprobs and adapter versions. It
 owns every engine request it started: leaving `events()` early for any reason
 (client disconnect, cancellation, error) aborts them all at once, so batch rows
@@ -20,6 +21,7 @@ Not here: chat templates and tools (see `chat`), response shapes (see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -246,6 +248,11 @@ class GenerationRun:
             EngineError: the engine aborted a sequence nobody asked to abort.
             CloraError: whatever the engine raised for a sequence.
         """
+        if len(self._streams) == 1:  # n == 1: read the one stream itself, no pump task
+            async with contextlib.aclosing(self._single()) as single:
+                async for event in single:
+                    yield event
+            return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
@@ -278,6 +285,24 @@ class GenerationRun:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _single(self) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+        """`events` of a run with one choice: the same events, errors and aborts, read
+        straight from its stream (the per-choice task and merge queue are for n > 1)."""
+        choice = self.choices[0]
+        chunks = aiter(self._streams[0])
+        try:
+            async for item in chunks:
+                choice.apply(item)
+                if item.finished and item.finish_reason == "abort":
+                    raise EngineError("the engine aborted the request")
+                yield choice, item
+            self.finished_at = time.monotonic()
+        finally:
+            self.abort()  # first, as `events` does: the engine request ends at once
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
 
     async def run(self) -> list[ChoiceState]:
         """Drive every choice to the end; returns the finished choices."""

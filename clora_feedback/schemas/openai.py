@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, model_validator
@@ -685,3 +686,9 @@ class CloraChoiceExtension(BaseModel):
 
     token_ids: list[int]
     token_versions: list[int]
+
+
+def choice_extension(token_ids: Sequence[int], token_versions: Sequence[int]) -> dict[str, Any]:
+    """`CloraChoiceExtension(token_ids=..., token_versions=...).model_dump()` for the engine's
+    int lists, as a plain dict: it is built for every choice of every streamed chunk."""
+    return {"token_ids": list(token_ids), "token_versions": list(token_versions)}

@@ -103,6 +103,16 @@ def _server_finished(chunk: Mapping[str, Any]) -> bool:
     return bool(choices) and choices[0].get("finish_reason") is not None
 
 
+class _LoopStream(RequestStreamImpl):
+    """A request's stream fed on the event loop it is read on: the vLLM engine's requests
+    run as tasks of that loop, so a chunk goes straight into the queue, without the
+    thread-safe hand-off (`call_soon_threadsafe`: a self-pipe write, its read and one more
+    loop turn per chunk) that the embedded engine's decode thread needs."""
+
+    def push(self, item: RequestOutput | CloraError) -> None:
+        self._queue.put_nowait(item)
+
+
 @dataclass(eq=False)
 class _Flight:
     lease: Lease
@@ -349,7 +359,7 @@ class VLLMEngine:
             raise NotFoundError(f"no adapter is loaded for agent {request.agent!r}", param="model")
         body["model"] = self._served_model if lease.served is None else lease.served.name
         loop = asyncio.get_running_loop()
-        stream = RequestStreamImpl(request.request_id, loop, self.abort)
+        stream = _LoopStream(request.request_id, loop, self.abort)
         flight = _Flight(lease)
         flight.task = loop.create_task(self._run(request, body, flight, stream))
         self._flights[request.request_id] = flight
@@ -477,9 +487,10 @@ class VLLMEngine:
         detok = Detokenizer(self._tokenizer, request.sampling.stop, request.sampling.min_tokens)
         client = replica.client
         assert isinstance(client, VLLMClient), "requests go to real clients only"
+        stop_ids = self._stop_ids(request)  # once per request, not per chunk
         async with contextlib.aclosing(client.stream(body)) as chunks:
             async for chunk in chunks:
-                reason = self._on_chunk(chunk, request, lease, detok, stream)
+                reason = self._on_chunk(chunk, request, lease, detok, stream, stop_ids)
                 if reason is None:
                     continue
                 prompt_len = len(request.prompt_token_ids)
@@ -507,13 +518,14 @@ class VLLMEngine:
         lease: Lease,
         detok: Detokenizer,
         stream: RequestStreamImpl,
+        stop_ids: frozenset[int],
     ) -> FinishReason | None:
-        """Push one streamed chunk's tokens; the finish reason if the request ended."""
+        """Push one streamed chunk's tokens; the finish reason if the request ended
+        (`stop_ids`: the request's `_stop_ids`)."""
         choices = chunk.get("choices") or []
         if not choices:
             return None
         choice = choices[0]
-        stop_ids = self._stop_ids(request)
         k = request.sampling.top_logprobs
         events, text, reason = chunk_tokens(choice, lease.version, detok, stop_ids, k)
         self._generated += len(events)
