@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -241,7 +241,7 @@ class GenerationRun:
         for stream in self._streams:
             stream.abort()
 
-    async def events(self) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+    async def events(self) -> AsyncGenerator[tuple[ChoiceState, RequestOutput], None]:
         """Chunks of all choices as they arrive, each already folded into its choice.
 
         Raises:
@@ -286,7 +286,7 @@ class GenerationRun:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _single(self) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+    async def _single(self) -> AsyncGenerator[tuple[ChoiceState, RequestOutput], None]:
         """`events` of a run with one choice: the same events, errors and aborts, read
         straight from its stream (the per-choice task and merge queue are for n > 1)."""
         choice = self.choices[0]
