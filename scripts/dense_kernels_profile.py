@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from clora_feedback.bench.timing import best_wall_s
 from clora_feedback.config import EngineConfig
-from clora_feedback.engine.dense import DenseKernels, Linear, _blocked, _Upcast
+from clora_feedback.engine.dense import DenseKernels, Linear, _blocked, _packed, _Upcast
 from clora_feedback.engine.model import KVCache, LoRAModel
 from clora_feedback.lora.ops import LoRABatch
 from clora_feedback.lora.weights import random_lora_weights
@@ -41,21 +41,6 @@ from clora_feedback.models.resolve import resolve_model_dir
 ROWS = (1, 2, 8, 48)
 PASSES = 9  # end to end: interleaved passes per case (minimum kept)
 HINTS = (1, 8, 64)
-
-
-def _best(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _packed(w: torch.Tensor, hint: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, hint)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def kernels(shapes: dict[str, tuple[int, int, int]]) -> None:
@@ -74,7 +59,11 @@ def kernels(shapes: dict[str, tuple[int, int, int]]) -> None:
             cells = []
             for name in names:
                 with torch.inference_mode():
-                    us = _best(lambda ks=built[name], x=x: [k(x) for k in ks], 4) * 1e6 / copies  # type: ignore[misc]
+                    us = (
+                        best_wall_s(lambda ks=built[name], x=x: [k(x) for k in ks], 4)
+                        * 1e6
+                        / copies
+                    )  # type: ignore[misc]
                 totals[name, m] += us * per_step
                 cells.append(f"{us:.0f}")
             print(f"| {shape} {out}x{fan_in} | {m} | " + " | ".join(cells) + " |")
@@ -145,7 +134,7 @@ def end_to_end(model: LoRAModel) -> None:
         for rep in range(PASSES):
             for kind in kinds if rep % 2 == 0 else list(kinds)[::-1]:
                 model._dense = kinds[kind]
-                best[kind] = min(best[kind], _best(fn, 1) / steps * 1e3)
+                best[kind] = min(best[kind], best_wall_s(fn, 1) / steps * 1e3)
         model._dense = kinds["as built"]
         ratio = best["blocked"] / best["as built"]
         print(f"| {case} | {best['as built']:.1f} | {best['blocked']:.1f} | {ratio:.2f}x |")

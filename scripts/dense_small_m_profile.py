@@ -20,28 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from clora_feedback.bench.timing import best_wall_s
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.dense import fp32_kernel
 from clora_feedback.engine.model import KVCache, LoRAModel
 from clora_feedback.lora.ops import LoRABatch
 from clora_feedback.models.resolve import resolve_model_dir
-
-
-def _best(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _shape(name: str, out: int, fan_in: int, copies: int, gen: torch.Generator) -> None:
@@ -50,8 +39,8 @@ def _shape(name: str, out: int, fan_in: int, copies: int, gen: torch.Generator) 
     for m in (1, 2, 3, 4):
         x = torch.randn(m, fan_in, generator=gen).bfloat16().float()
         with torch.inference_mode():
-            t32 = _best(lambda: [k(x) for k in k32], 6) * 1e6 / copies  # noqa: B023
-            t16 = _best(lambda: [F.linear(x.bfloat16(), w).float() for w in w16], 6)  # noqa: B023
+            t32 = best_wall_s(lambda: [k(x) for k in k32], 6) * 1e6 / copies  # noqa: B023
+            t16 = best_wall_s(lambda: [F.linear(x.bfloat16(), w).float() for w in w16], 6)  # noqa: B023
         t16 *= 1e6 / copies
         print(f"| {name} {out}x{fan_in} | {m} | {t32:.0f} | {t16:.0f} | {t32 / t16:.2f}x |")
 
@@ -91,7 +80,7 @@ def decode(model: LoRAModel) -> None:
         for rep in range(5):
             for on in (True, False) if rep % 2 == 0 else (False, True):
                 use_reduced(on)
-                best[on] = min(best[on], _best(steps, 1) / 16 * 1e3)
+                best[on] = min(best[on], best_wall_s(steps, 1) / 16 * 1e3)
         use_reduced(True)
         print(f"| {n} | {best[True]:.1f} | {best[False]:.1f} | {best[False] / best[True]:.2f}x |")
 

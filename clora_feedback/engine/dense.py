@@ -193,8 +193,10 @@ def fp32_kernel(w: torch.Tensor) -> Linear:
     return _packed(w) if packed_supported(torch.float32, w.device) else _blocked(w)
 
 
-def _packed(w: torch.Tensor) -> Linear:
-    blocked = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH.get(w.dtype, 1))
+def _packed(w: torch.Tensor, batch: int | None = None) -> Linear:
+    """`w` reordered once for oneDNN, laid out for `batch` rows (default: `_PACK_BATCH`)."""
+    hint = _PACK_BATCH.get(w.dtype, 1) if batch is None else batch
+    blocked = torch.ops.mkldnn._reorder_linear_weight(w, hint)
     pointwise = torch.ops.mkldnn._linear_pointwise
 
     def linear(x: torch.Tensor) -> torch.Tensor:

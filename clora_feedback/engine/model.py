@@ -372,38 +372,11 @@ class LoRAModel:
         Returns:
             [V] fp32 logits for the token after the chunk.
         """
-        c = self.config
-        t = token_ids.shape[0]
-        heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        lora = LoRABatch.from_slots([slot], self.device, self.slot_ranks[slot])
-        cos = self.base.cos[start : start + t].unsqueeze(1)  # [T, 1, D]
-        sin = self._sin_signed[start : start + t].unsqueeze(1)
-        mask = None
-        if start:
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=self.device).tril(start)
-        h = self.base.embed[token_ids]  # [T, hidden]
-        for i, layer in enumerate(self.base.layers):
-            x = F.rms_norm(h, (c.hidden_size,), layer["in_norm"], c.rms_norm_eps)
-            qkv = self._fast_proj(x, i, "qkv", lora)  # [T, (H+2K)*D]
-            qk = self._fast_rope(qkv[:, : (heads + kv) * d].view(t, heads + kv, d), cos, sin)
-            q = qk[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-            cache.k[i, row, :, start : start + t] = qk[:, heads:].transpose(0, 1)
-            cache.v[i, row, :, start : start + t] = (
-                qkv[:, (heads + kv) * d :].view(t, kv, d).transpose(0, 1)
-            )
-            keys = cache.k[i, row : row + 1, :, : start + t]
-            values = cache.v[i, row : row + 1, :, : start + t]
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-            )
-            h = h + self._fast_proj(attn[0].transpose(0, 1).reshape(t, -1), i, "o", lora)
-            x = F.rms_norm(h, (c.hidden_size,), layer["post_norm"], c.rms_norm_eps)
-            h = h + self._fast_mlp(x, i, lora)
-        return self._logits(h[-1])
+        return self.prefill_many([PrefillChunk(token_ids, row, slot, start)], cache)[0]
 
     @torch.inference_mode()
     def prefill_many(self, chunks: Sequence[PrefillChunk], cache: KVCache) -> torch.Tensor:
-        """`prefill` for several sequences in one forward; [len(chunks), V] fp32 logits.
+        """Prompt chunks of several sequences in one forward; [len(chunks), V] fp32 logits.
 
         The chunks' tokens are stacked into one [sum T, hidden] batch, so every
         projection reads its weight once for all of them (a bigger, faster

@@ -273,11 +273,7 @@ class GenerationRun:
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                choice = self.choices[index]
-                choice.apply(item)
-                if item.finished and item.finish_reason == "abort":
-                    raise EngineError("the engine aborted the request")
-                yield choice, item
+                yield self._fold(index, item)
             self.finished_at = time.monotonic()
         finally:
             # Abort first (synchronous, immediate), then stop the pumps.
@@ -289,20 +285,24 @@ class GenerationRun:
     async def _single(self) -> AsyncGenerator[tuple[ChoiceState, RequestOutput], None]:
         """`events` of a run with one choice: the same events, errors and aborts, read
         straight from its stream (the per-choice task and merge queue are for n > 1)."""
-        choice = self.choices[0]
         chunks = aiter(self._streams[0])
         try:
             async for item in chunks:
-                choice.apply(item)
-                if item.finished and item.finish_reason == "abort":
-                    raise EngineError("the engine aborted the request")
-                yield choice, item
+                yield self._fold(0, item)
             self.finished_at = time.monotonic()
         finally:
             self.abort()  # first, as `events` does: the engine request ends at once
             close = getattr(chunks, "aclose", None)
             if close is not None:
                 await close()
+
+    def _fold(self, index: int, item: RequestOutput) -> tuple[ChoiceState, RequestOutput]:
+        """Fold a chunk into choice `index`; raises if the engine aborted it unasked."""
+        choice = self.choices[index]
+        choice.apply(item)
+        if item.finished and item.finish_reason == "abort":
+            raise EngineError("the engine aborted the request")
+        return choice, item
 
     async def run(self) -> list[ChoiceState]:
         """Drive every choice to the end; returns the finished choices."""
