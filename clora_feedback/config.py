@@ -466,7 +466,13 @@ class ServerConfig(BaseModel):
         "within this, or it is closed (uvicorn's h11 server has no such timeout of its own).",
     )
     keep_alive_timeout_s: int = Field(
-        5, ge=1, description="An idle keep-alive connection is closed after this (uvicorn)."
+        75,
+        ge=1,
+        description="An idle keep-alive connection is closed after this (uvicorn). Longer than "
+        "the idle expiry of client pools (the openai SDK and httpx 5 s, aiohttp 15 s) and of "
+        "common load balancers (60 s), so the client side closes an idle connection first: a "
+        "server closing at the same moment as a client reuses the connection makes that "
+        "request fail with 'server disconnected'.",
     )
     max_header_bytes: int = Field(
         16 * 1024,

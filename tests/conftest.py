@@ -37,7 +37,7 @@ from pg_fixtures import (  # noqa: F401
 # session shares one server.
 from vllm_fixtures import vllm_model_dir, vllm_server  # noqa: F401
 
-from clora_feedback.config import EngineConfig, Settings
+from clora_feedback.config import EngineConfig, ServerConfig, Settings
 from clora_feedback.models.tiny import build_tiny_model_dir
 
 
@@ -118,7 +118,14 @@ def serve_app(app: Any, engine: Any) -> Iterator[GatewayServer]:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", ws="none", http="h11", lifespan="on")
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            ws="none",
+            http="h11",
+            lifespan="on",
+            timeout_keep_alive=ServerConfig().keep_alive_timeout_s,  # as `clora serve` does
+        )
     )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gateway"

@@ -225,6 +225,24 @@ def test_uvicorn_options_come_from_settings() -> None:
     assert (options["timeout_keep_alive"], options["h11_max_incomplete_event_size"]) == (7, 4096)
 
 
+def test_keep_alive_outlasts_the_client_pools_idle_expiry() -> None:
+    """The server must not close an idle connection at the moment a client pool reuses it.
+
+    httpx (and the openai SDK on it) drops a pooled connection after 5 s idle; with
+    uvicorn's own 5 s the two race, and a request sent as the server closes fails with
+    "server disconnected" (seen in CI as an APIConnectionError after a 5 s wait).
+    """
+    import openai._constants
+
+    pools = {
+        "openai": openai._constants.DEFAULT_CONNECTION_LIMITS.keepalive_expiry,
+        "httpx": httpx.Limits().keepalive_expiry,
+    }
+    keep_alive = Settings().server.keep_alive_timeout_s
+    for client, expiry in pools.items():
+        assert expiry is not None and keep_alive > 2 * expiry, (client, expiry, keep_alive)
+
+
 # -- the access log ----------------------------------------------------------------------
 
 
