@@ -113,19 +113,16 @@ def serve_app(app: Any, engine: Any) -> Iterator[GatewayServer]:
     """Serve a built app with uvicorn in a thread on a free loopback port."""
     import uvicorn
 
+    from clora_feedback.gateway.server import uvicorn_options
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_level="warning",
-            ws="none",
-            http="h11",
-            lifespan="on",
-            timeout_keep_alive=ServerConfig().keep_alive_timeout_s,  # as `clora serve` does
-        )
+        # The server options of `clora serve` (`uvicorn_options`: keep-alive, header timeout
+        # and size, shutdown grace), as `ThreadedServer` does.
+        uvicorn.Config(app, log_level="warning", lifespan="on", **uvicorn_options(ServerConfig()))
     )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="gateway"
