@@ -492,6 +492,32 @@ class ServerConfig(BaseModel):
     )
 
 
+class ConsoleConfig(BaseModel):
+    """The operator console at `/console` (`gateway.console`)."""
+
+    enabled: bool = Field(True, description="Serve the console at `/console`.")
+    show_text: bool = Field(
+        False,
+        description="Show prompt and output text of recent trajectories on an agent's page "
+        "(always escaped); off by default, since prompts may carry users' data.",
+    )
+    session_ttl_s: float = Field(
+        8 * 3600.0,
+        gt=0,
+        description="A console login lasts this long; the session is then forgotten and the "
+        "admin key is asked again. Sessions live in the gateway's memory (a restart logs out).",
+    )
+    max_sessions: int = Field(
+        1000, ge=1, description="Most console sessions held at once; the oldest go first."
+    )
+    poll_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often the live event stream (`/console/api/events`) looks for new "
+        "versions, pointer moves and feedback while a page listens.",
+    )
+
+
 class AgentConfig(BaseModel):
     """An agent declared in configuration."""
 
@@ -537,6 +563,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(600.0, gt=0)
     server: ServerConfig = Field(
         default_factory=ServerConfig, description="Body size bounds and connection timeouts."
+    )
+    console: ConsoleConfig = Field(
+        default_factory=ConsoleConfig, description="The operator console at `/console`."
     )
 
     @field_validator("agents")

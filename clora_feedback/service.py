@@ -51,6 +51,7 @@ from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.app import Component, create_app
+from clora_feedback.gateway.console import build_console_router
 from clora_feedback.gateway.feedback import build_feedback_router
 from clora_feedback.gateway.metrics import Family
 from clora_feedback.lora.weights import LoRALimits
@@ -257,6 +258,12 @@ def build_service(settings: Settings) -> Service:
         ),
         build_adapters_router(registry, deployer),
     ]
+    if settings.console.enabled:
+        routers.append(
+            build_console_router(
+                settings.console, registry, feedback, store, agents.names, deployer
+            )
+        )
     app = create_app(serving, engine, store, agents=agents, routers=routers, components=components)
     if trainer is not None:
         app.state.gateway.metrics.add_source(functools.partial(_trainer_families, trainer))

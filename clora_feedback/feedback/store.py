@@ -148,6 +148,22 @@ class TrainingSample:
     source: str
 
 
+@dataclass(frozen=True)
+class RewardPoint:
+    """One judged sample's reward at the time it was served (`recent_rewards`)."""
+
+    completion_id: str
+    """The completion."""
+    sample_index: int
+    """Which choice of it."""
+    adapter_version: int
+    """The version that served it (0: the base model)."""
+    created_at: float
+    """When it was served, seconds since the epoch."""
+    reward: float
+    """The policy's aggregate of the events judging it."""
+
+
 _Reader = TypeVar("_Reader", bound=TrajectoryReader)
 
 _Judged = dict[tuple[str, int], list[tuple[int, Judgement]]]
@@ -513,6 +529,34 @@ class FeedbackStore(Generic[_Reader]):
         judged, _ = self._judged_where("agent = ? AND adapter_version = ?", (agent, version))
         ordered = sorted(judged.values(), key=lambda items: items[-1][0])
         return [self.policy.reward([j for _, j in items]) for items in ordered]
+
+    def recent_rewards(self, agent: str, *, limit: int = 500) -> list[RewardPoint]:
+        """The rewards of `agent`'s most recently judged samples, under the current policy,
+        oldest served first (for the console's reward-over-time chart).
+
+        Reads the newest `limit` joins of the agent (a sample judged again by an older
+        event outside that window is aggregated over the events inside it).
+        """
+        with self._db.read() as tx:
+            rows = tx.execute(
+                "SELECT seq, agent, event_id, completion_id FROM event_targets WHERE agent = ? "
+                "ORDER BY seq DESC LIMIT ?",
+                (agent, limit),
+            ).fetchall()
+            rows.reverse()
+            events = self._events(tx, ((r[1], r[2]) for r in rows))
+        judged, records = self._judge(rows, events)
+        points = [
+            RewardPoint(
+                completion_id=cid,
+                sample_index=idx,
+                adapter_version=records[cid].adapter_version,
+                created_at=records[cid].created_at,
+                reward=self.policy.reward([j for _, j in items]),
+            )
+            for (cid, idx), items in judged.items()
+        ]
+        return sorted(points, key=lambda p: (p.created_at, p.completion_id, p.sample_index))
 
     def agents_with_rewards(self) -> list[str]:
         with self._db.read() as tx:

@@ -22,6 +22,9 @@ back to what the pointer still names. Engine and registry therefore disagree
 at most for the duration of the request, and the engine serves version N from
 its next decode step.
 
+`rollback_adapter` and `set_pinned` are the actions themselves, shared with the
+operator console (`gateway.console`), so both take the same path.
+
 Not here: the wire models (`clora_feedback.schemas.admin`), the registry itself
 (`clora_feedback.store.registry`), vLLM's runtime
 `load_lora_adapter` routes (`routes`).
@@ -102,37 +105,58 @@ def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = No
 
     @router.post("/{agent}/rollback")
     async def rollback(agent: str, body: RollbackRequest) -> RollbackResult:
-        reason = (body.reason or "").strip() or DEFAULT_ROLLBACK_REASON
-        target, info = await asyncio.to_thread(
-            lambda: (registry.get(agent, body.version), registry.agent(agent))
-        )
-        previous = info.active_version
-        check_pointer_move(agent, previous, target.version, expected_active=None)
-        if deployer is not None:
-            await deployer.activate(agent, target.version, expected_active=previous, reason=reason)
-        else:
-            await asyncio.to_thread(
-                registry.rollback, agent, target.version, reason=reason, expected_active=previous
-            )
-        versions = await asyncio.to_thread(registry.versions, agent)
-        return RollbackResult(
-            agent=agent,
-            previous_version=previous,
-            active_version=target.version,
-            reason=reason,
-            rolled_back=[
-                v.version
-                for v in versions
-                if v.version > target.version and v.status == "rolled_back"
-            ],
-        )
+        return await rollback_adapter(registry, deployer, agent, body)
 
     @router.post("/{agent}/pin")
     async def pin(agent: str) -> AgentAdaptersObject:
-        return AgentAdaptersObject.of(await asyncio.to_thread(registry.pin, agent))
+        return await set_pinned(registry, agent, True)
 
     @router.post("/{agent}/unpin")
     async def unpin(agent: str) -> AgentAdaptersObject:
-        return AgentAdaptersObject.of(await asyncio.to_thread(registry.unpin, agent))
+        return await set_pinned(registry, agent, False)
 
     return router
+
+
+async def rollback_adapter(
+    registry: AdapterStore, deployer: Deployer | None, agent: str, body: RollbackRequest
+) -> RollbackResult:
+    """Make `body.version` serve `agent` again: the one rollback path (these routes, the console).
+
+    Raises:
+        NotFoundError: unknown agent or version.
+        ConflictError: the version is already active, or the pointer moved meanwhile.
+        AdapterError: the engine could not load the version (the previous one keeps serving).
+    """
+    reason = (body.reason or "").strip() or DEFAULT_ROLLBACK_REASON
+    target, info = await asyncio.to_thread(
+        lambda: (registry.get(agent, body.version), registry.agent(agent))
+    )
+    previous = info.active_version
+    check_pointer_move(agent, previous, target.version, expected_active=None)
+    if deployer is not None:
+        await deployer.activate(agent, target.version, expected_active=previous, reason=reason)
+    else:
+        await asyncio.to_thread(
+            registry.rollback, agent, target.version, reason=reason, expected_active=previous
+        )
+    versions = await asyncio.to_thread(registry.versions, agent)
+    return RollbackResult(
+        agent=agent,
+        previous_version=previous,
+        active_version=target.version,
+        reason=reason,
+        rolled_back=[
+            v.version for v in versions if v.version > target.version and v.status == "rolled_back"
+        ],
+    )
+
+
+async def set_pinned(registry: AdapterStore, agent: str, pinned: bool) -> AgentAdaptersObject:
+    """Pin (freeze training of) or unpin `agent`: the one path (these routes, the console).
+
+    Raises:
+        NotFoundError: unknown agent.
+    """
+    change = registry.pin if pinned else registry.unpin
+    return AgentAdaptersObject.of(await asyncio.to_thread(change, agent))

@@ -57,6 +57,20 @@ ROUTE_STATUSES: Mapping[str, tuple[int, ...]] = {
     "POST /v1/adapters/{agent}/rollback": (400, *_ADMIN, 404, 409),
     "POST /v1/adapters/{agent}/pin": (*_ADMIN, 404),
     "POST /v1/adapters/{agent}/unpin": (*_ADMIN, 404),
+    # The operator console (`gateway.console`): a session cookie, not a key; POSTs need the
+    # session's CSRF token (403); login refuses a wrong key (401) and an agent's key (403).
+    "GET /console": (),
+    "GET /console/static/{name}": (404,),
+    "GET /console/api/session": (401,),
+    "POST /console/api/login": (400, 401, 403),
+    "POST /console/api/logout": (400, 401, 403),
+    "GET /console/api/agents": (400, 401),
+    "GET /console/api/agents/{agent}": (401, 404),
+    "GET /console/api/agents/{agent}/trajectories": (400, 401, 404),
+    "POST /console/api/agents/{agent}/rollback": (400, 401, 403, 404, 409),
+    "POST /console/api/agents/{agent}/pin": (400, 401, 403, 404),
+    "POST /console/api/agents/{agent}/unpin": (400, 401, 403, 404),
+    "GET /console/api/events": (401,),
     # The feedback webhook: 202 when delivered to Kafka or parked, 422 all refused.
     "POST /v1/feedback": (202, 400, 401, 403, 422, 429, 503),
 }

@@ -1,0 +1,303 @@
+"""What the console's pages show, read from the registry, the feedback and trajectory stores.
+
+`ConsoleViews` builds plain JSON-ready dicts (the routes return them as is):
+
+- `agents_page`: one row per agent, searched, sorted and paged server-side, so
+  a thousand agents cost one registry listing plus the work for one page's
+  rows (request and feedback counts, a reward sparkline, the serving
+  version's step metrics);
+- `agent_detail`: an agent's versions (state, parent, step, loss, samples,
+  staleness, reward from the step metrics the trainer recorded), its rewards
+  over time with the version that served each, and the timeline of publishes
+  and rollbacks;
+- `trajectories`: recent completions with the feedback joined to them; prompt
+  and output text only when `console.show_text` allows (the page renders it
+  as text, never as HTML).
+
+Sorting is by what the registry listing holds (name, serving version,
+versions, pinned, last pointer move); counts and rewards are read for the rows
+of the page only. Release-gate verdicts and canary arms are not shown: the
+registry records neither yet.
+
+Not here: authentication and actions (`routes`), the live change feed (`live`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
+
+from clora_feedback.errors import InvalidRequestError, NotFoundError
+from clora_feedback.feedback.store import RewardPoint
+from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryRecord
+from clora_feedback.store.versions import AdapterStore, AgentInfo, VersionInfo
+
+SortKey = Literal["name", "version", "versions", "pinned", "changed"]
+SORT_KEYS: tuple[str, ...] = ("name", "version", "versions", "pinned", "changed")
+MAX_PAGE = 100
+SPARK_POINTS = 30
+CHART_POINTS = 500
+MAX_TRAJECTORIES = 100
+TEXT_LIMIT = 4000
+"""Characters of prompt or output text sent per trajectory (the rest is cut, marked)."""
+
+
+class FeedbackReader(Protocol):
+    """What the console reads from the feedback store (`feedback.store.FeedbackStore`)."""
+
+    def recent_rewards(self, agent: str, *, limit: int = 500) -> list[RewardPoint]: ...
+
+    def state_counts(self, agent: str | None = None) -> dict[str, int]: ...
+
+    def rewards_for(self, completion_id: str) -> list[dict[str, Any]]: ...
+
+
+def _unknown_agent(agent: str) -> NotFoundError:
+    return NotFoundError(f"no agent {agent!r}", param="agent", code="agent_not_found")
+
+
+class ConsoleViews:
+    """Read-only views for the console pages.
+
+    Args:
+        registry: adapter versions and pointers (blocking; run in worker threads).
+        feedback: rewards and event counts (blocking; run in worker threads).
+        trajectories: the gateway's trajectory store (started by the gateway).
+        serving: names of the agents the gateway serves (listed even without versions).
+        show_text: include prompt and output text of trajectories.
+    """
+
+    def __init__(
+        self,
+        registry: AdapterStore,
+        feedback: FeedbackReader,
+        trajectories: AsyncTrajectoryStore,
+        serving: Callable[[], Sequence[str]],
+        *,
+        show_text: bool,
+    ) -> None:
+        self._registry = registry
+        self._feedback = feedback
+        self._trajectories = trajectories
+        self._serving = serving
+        self.show_text = show_text
+
+    # -- agents page ------------------------------------------------------------------
+
+    def _all_agents(self) -> dict[str, AgentInfo | None]:
+        known: dict[str, AgentInfo | None] = {a.agent: a for a in self._registry.agents()}
+        for name in self._serving():
+            known.setdefault(name, None)
+        return known
+
+    async def agents_page(
+        self, *, query: str, sort: str, descending: bool, offset: int, limit: int
+    ) -> dict[str, Any]:
+        """One page of agent rows and the total that match `query` (a name substring)."""
+        if sort not in SORT_KEYS:
+            raise InvalidRequestError(f"sort must be one of {', '.join(SORT_KEYS)}", param="sort")
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidRequestError(f"limit must be in 1..{MAX_PAGE}", param="limit")
+        if offset < 0:
+            raise InvalidRequestError("offset must be >= 0", param="offset")
+        known = await asyncio.to_thread(self._all_agents)
+        needle = query.strip().lower()
+        names = [n for n in known if needle in n.lower()]
+        names.sort(key=lambda n: (_sort_value(known[n], sort), n), reverse=descending)
+        page = names[offset : offset + limit]
+        rows = await asyncio.gather(*(self._row(n, known[n]) for n in page))
+        return {"object": "list", "total": len(names), "offset": offset, "data": list(rows)}
+
+    async def _row(self, name: str, info: AgentInfo | None) -> dict[str, Any]:
+        def read() -> tuple[VersionInfo | None, dict[str, int], list[RewardPoint]]:
+            active = self._registry.active(name) if info is not None else None
+            counts = self._feedback.state_counts(name)
+            return active, counts, self._feedback.recent_rewards(name, limit=SPARK_POINTS)
+
+        active, counts, rewards = await asyncio.to_thread(read)
+        requests = await self._trajectories.count(name)
+        return {
+            **_agent_fields(name, info),
+            "requests": requests,
+            "feedback": _counts(counts),
+            "rewards": [round(p.reward, 4) for p in rewards],
+            "staleness": _metric(active, "staleness_mean"),
+            "last_step_at": None if active is None else active.created_at,
+        }
+
+    # -- one agent -----------------------------------------------------------------------
+
+    async def agent_detail(self, agent: str) -> dict[str, Any]:
+        """Versions, rewards over time and the publish/rollback timeline of `agent`.
+
+        Raises:
+            NotFoundError: neither the registry nor the gateway knows `agent`.
+        """
+
+        def read() -> tuple[AgentInfo | None, list[VersionInfo], list[RewardPoint], dict[str, int]]:
+            known = self._all_agents()
+            if agent not in known:
+                raise _unknown_agent(agent)
+            info = known[agent]
+            versions = self._registry.versions(agent) if info is not None else []
+            rewards = self._feedback.recent_rewards(agent, limit=CHART_POINTS)
+            return info, versions, rewards, self._feedback.state_counts(agent)
+
+        info, versions, rewards, counts = await asyncio.to_thread(read)
+        return {
+            **_agent_fields(agent, info),
+            "requests": await self._trajectories.count(agent),
+            "feedback": _counts(counts),
+            "versions": [_version_row(v) for v in versions],
+            "rewards": [
+                {"t": p.created_at, "reward": p.reward, "version": p.adapter_version}
+                for p in rewards
+            ],
+            "timeline": _timeline(info, versions),
+            "show_text": self.show_text,
+        }
+
+    async def trajectories(self, agent: str, *, limit: int) -> dict[str, Any]:
+        """`agent`'s newest completions, each with the feedback joined to it."""
+        if not 1 <= limit <= MAX_TRAJECTORIES:
+            raise InvalidRequestError(f"limit must be in 1..{MAX_TRAJECTORIES}", param="limit")
+        if agent not in await asyncio.to_thread(self._all_agents):
+            raise _unknown_agent(agent)
+        records = await self._trajectories.list(agent, limit=limit)
+        feedback = await asyncio.to_thread(
+            lambda: {r.id: self._feedback.rewards_for(r.id) for r in records}
+        )
+        return {
+            "object": "list",
+            "show_text": self.show_text,
+            "data": [self._trajectory(r, feedback[r.id]) for r in records],
+        }
+
+    def _trajectory(
+        self, record: TrajectoryRecord, feedback: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "id": record.id,
+            "created_at": record.created_at,
+            "adapter_version": record.adapter_version,
+            "kind": record.kind,
+            "finish_reason": record.samples[0].finish_reason if record.samples else None,
+            "feedback": [
+                {"event_id": f["event_id"], "kind": f["kind"], "value": f["value"]}
+                for f in feedback
+            ],
+        }
+        if self.show_text:
+            row["prompt"] = _cut(_prompt_text(record.request))
+            row["output"] = _cut("\n---\n".join(s.text for s in record.samples))
+        return row
+
+
+def _sort_value(info: AgentInfo | None, sort: str) -> tuple[int, float | str]:
+    """A comparable key; agents without registry data sort as the lowest value."""
+    if sort == "name" or info is None:
+        return (0, 0.0)
+    value = {
+        "version": info.active_version,
+        "versions": info.num_versions,
+        "pinned": int(info.pinned),
+        "changed": info.activated_at,
+    }[sort]
+    return (0, 0.0) if value is None else (1, float(value))
+
+
+def _agent_fields(name: str, info: AgentInfo | None) -> dict[str, Any]:
+    return {
+        "agent": name,
+        "active_version": None if info is None else info.active_version,
+        "pinned": False if info is None else info.pinned,
+        "num_versions": 0 if info is None else info.num_versions,
+        "latest_version": None if info is None else info.latest_version,
+        "activated_by": None if info is None else info.activated_by,
+        "activated_at": None if info is None else info.activated_at,
+    }
+
+
+def _counts(counts: dict[str, int]) -> dict[str, int]:
+    return {state: counts.get(state, 0) for state in ("joined", "parked", "dead")}
+
+
+def _metric(version: VersionInfo | None, key: str) -> float | None:
+    if version is None:
+        return None
+    value = version.metrics.get(key)
+    return None if value is None else float(value)
+
+
+def _version_row(v: VersionInfo) -> dict[str, Any]:
+    samples = (v.feedback_window or {}).get("samples")
+    if samples is None and "num_pg" in v.metrics:
+        samples = (v.metrics.get("num_pg") or 0) + (v.metrics.get("num_sft") or 0)
+    return {
+        "version": v.version,
+        "parent": v.parent,
+        "step": v.step,
+        "status": v.status,
+        "created_at": v.created_at,
+        "loss": _metric(v, "loss"),
+        "reward_mean": _metric(v, "reward_mean"),
+        "staleness_mean": _metric(v, "staleness_mean"),
+        "samples": samples,
+        "rolled_back_at": v.rolled_back_at,
+        "rolled_back_reason": v.rolled_back_reason,
+    }
+
+
+def _timeline(info: AgentInfo | None, versions: list[VersionInfo]) -> list[dict[str, Any]]:
+    """Publishes, and rollbacks (grouped by the time they marked versions), oldest first."""
+    events: list[dict[str, Any]] = [
+        {"t": v.created_at, "kind": "publish", "version": v.version} for v in versions
+    ]
+    marked: dict[float, list[VersionInfo]] = {}
+    for v in versions:
+        if v.rolled_back_at is not None:
+            marked.setdefault(v.rolled_back_at, []).append(v)
+    for when, group in marked.items():
+        target = None
+        if info is not None and info.activated_by == "rollback" and info.activated_at == when:
+            target = info.active_version
+        events.append(
+            {
+                "t": when,
+                "kind": "rollback",
+                "version": target,
+                "marked": [v.version for v in group],
+                "reason": group[0].rolled_back_reason,
+            }
+        )
+    if info is not None and info.activated_by == "rollback" and info.activated_at not in marked:
+        # A rollback that marked nothing new (e.g. undoing a mistaken one).
+        events.append(
+            {"t": info.activated_at, "kind": "rollback", "version": info.active_version,
+             "marked": [], "reason": None}
+        )  # fmt: skip
+    return sorted(events, key=lambda e: e["t"] or 0.0)
+
+
+def _prompt_text(request: dict[str, Any]) -> str:
+    """The request's messages as `role: text` lines (chat), or its prompt (completions)."""
+    messages = request.get("messages")
+    if isinstance(messages, list):
+        lines = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, list):
+                content = " ".join(
+                    str(part.get("text", "")) for part in content if isinstance(part, dict)
+                )
+            lines.append(f"{m.get('role', '?')}: {content if content is not None else ''}")
+        return "\n".join(lines)
+    prompt = request.get("prompt")
+    return prompt if isinstance(prompt, str) else "" if prompt is None else str(prompt)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= TEXT_LIMIT else text[:TEXT_LIMIT] + " [...]"
