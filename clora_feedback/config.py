@@ -85,7 +85,7 @@ class VLLMEngineConfig(BaseModel):
     """The vLLM engine (`engine.kind: vllm`): drives vLLM's own OpenAI server over HTTP.
 
     The server must run with `--enable-lora`, `--max-lora-rank` >= `engine.max_lora_rank`,
-    `--logprobs-mode processed_logprobs` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, on
+    `--logprobs-mode raw_logprobs` (vLLM's default) and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, on
     the same model as `engine.model` (checked at start). Adapter directories must be
     readable by the server at the same path (same machine or shared storage).
     """
@@ -217,10 +217,26 @@ class RewardPolicyConfig(BaseModel):
         le=1.0,
         description="Weight of a resolution's satisfaction score against its outcome reward.",
     )
-    correction_floor: float = Field(
-        0.0,
-        description="Reward of a completely rewritten output; an unchanged one earns 1.0, linear in similarity.",
+    verdict_rewards: dict[str, float] = Field(
+        default_factory=lambda: {
+            "accepted": 1.0,
+            "edited_and_kept": 0.5,
+            "ignored": 0.25,
+            "corrected": 0.0,
+            "rejected": 0.0,
+        },
+        description="A developer's verdict (`Correction.verdict`) -> reward of the output. A "
+        "corrected output earns `corrected` however close it was: its correction is the "
+        "training target instead (and, with the output, a preference pair).",
     )
+
+    @model_validator(mode="after")
+    def _every_verdict(self) -> RewardPolicyConfig:
+        missing = {"accepted", "edited_and_kept", "ignored", "corrected", "rejected"}
+        missing -= set(self.verdict_rewards)
+        if missing:
+            raise ValueError(f"verdict_rewards lacks {sorted(missing)}")
+        return self
 
 
 # Room a dead-letter record needs beyond the original key and value: its headers
@@ -409,6 +425,47 @@ class TrainerConfig(BaseModel):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range of the importance ratio.")
     sft_weight: float = Field(
         1.0, ge=0, description="Weight of the supervised loss on corrections."
+    )
+    preference_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the preference (DPO) loss on each (wrong output, right answer) "
+        "pair that a correction or a resolution's correct answer gives; 0 trains the right "
+        "answer with the supervised loss only.",
+    )
+    preference_beta: float = Field(
+        0.1, gt=0, description="DPO's beta: how far from the base model a pair is pushed."
+    )
+    replay: int = Field(
+        8,
+        ge=0,
+        description="Labelled examples of earlier steps (right answers, confirmed outputs) "
+        "replayed in every step, so a batch that holds one kind of case does not steer the "
+        "agent alone; 0 turns replay off.",
+    )
+    replay_buffer: int = Field(
+        256, ge=0, description="Labelled examples per agent that replay draws from (newest kept)."
+    )
+    warmup_steps: int = Field(
+        4,
+        ge=0,
+        description="Optimizer steps over which a new agent's learning rate rises linearly to "
+        "`lr` (0: none); the first steps, on the fewest samples, move the adapter least.",
+    )
+    settled_prob: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="A confirmed output the engine generated with at least this per-token "
+        "probability (geometric mean) is settled: it teaches nothing, and a batch of settled "
+        "samples publishes no version (continued training on what the agent already answers "
+        "right only sharpens it, and drifts held-out answers).",
+    )
+    settled_margin: float = Field(
+        0.1,
+        ge=0,
+        description="A sample's reward within this of the agent's running mean carries no "
+        "policy-gradient signal for deciding whether a batch teaches anything.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL-to-base weight (0: no reference pass).")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

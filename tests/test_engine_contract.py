@@ -449,5 +449,5 @@ def test_engine_kind_selects_the_engine(tiny_model_dir: Path) -> None:
     remote = build_engine(
         EngineConfig(kind="vllm", vllm={"urls": ["http://127.0.0.1:9"]}), tiny_model_dir, "t"
     )
-    assert remote.capabilities.logprobs == "processed"
+    assert remote.capabilities.logprobs == "raw"
     assert not remote.capabilities.per_token_versions

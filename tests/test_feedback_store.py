@@ -20,7 +20,6 @@ from clora_feedback.feedback.rewards import (
     DefaultRewardPolicy,
     Judgement,
     RewardSignal,
-    edit_similarity,
 )
 from clora_feedback.feedback.store import SCHEMA_VERSION as FEEDBACK_SCHEMA_VERSION
 from clora_feedback.feedback.store import FeedbackStore, Incoming
@@ -126,15 +125,15 @@ def test_conversation_and_training_view(store: FeedbackStore) -> None:
     c2 = samples[1]
     assert c2.completion_token_ids == [5, 6, 7] and c2.token_versions == [1, 1, 2]
     assert c2.targets == ["hello there world"]
-    assert c2.reward == pytest.approx(
-        (0.0 + edit_similarity("hello world", "hello there world")) / 2
-    )
+    # Corrected: no credit for being close (the escalation and the correction both say 0).
+    assert c2.reward == 0.0 and c2.wrong and not c2.confirmed
     assert store.training_samples("support", after_seq=samples[-1].last_seq) == []
 
 
 def test_reward_policy() -> None:
+    verdicts = RewardPolicyConfig().verdict_rewards | {"corrected": -1.0}
     config = FeedbackConfig(
-        agent_rewards={"vip": RewardPolicyConfig(score_weight=1.0, correction_floor=-1.0)}
+        agent_rewards={"vip": RewardPolicyConfig(score_weight=1.0, verdict_rewards=verdicts)}
     )
     policy = DefaultRewardPolicy(config)
     res = Resolution(
@@ -152,7 +151,8 @@ def test_reward_policy() -> None:
         event_id="e", agent="a", completion_id="c", source="s", diff="@@ -1 +1 @@\n-a+b\n+a + b\n"
     )
     signal = policy.signal(diff, "a+b")
-    assert signal.target == "a + b" and 0 < signal.value < 1
+    assert signal.target == "a + b" and signal.value == 0.0 and signal.wrong
+    assert signal.similarity == pytest.approx(0.75)  # reported, never rewarded
     with pytest.raises(InvalidRequestError):
         policy.signal(diff, "something else")
     assert (
@@ -250,7 +250,7 @@ def test_a_new_mapping_applies_to_events_already_stored(store_url: str) -> None:
 
 def test_policy_id_is_stable_and_names_the_mapping() -> None:
     assert DefaultRewardPolicy(FeedbackConfig()).id == DefaultRewardPolicy(FeedbackConfig()).id
-    assert DefaultRewardPolicy(FeedbackConfig()).id.startswith("default-v1:")
+    assert DefaultRewardPolicy(FeedbackConfig()).id.startswith("default-v2:")
     vip = FeedbackConfig(agent_rewards={"vip": RewardPolicyConfig(score_weight=1.0)})
     assert DefaultRewardPolicy(vip).id != DefaultRewardPolicy(FeedbackConfig()).id
 
@@ -295,7 +295,7 @@ def test_scope_aggregation_and_source_come_from_the_policy(store_url: str) -> No
         samples = {s.sample_index: s for s in other.training_samples("support")}
         assert [len(s.rewards) for s in samples.values()] == [2, 2]
         assert samples[1].reward == 1.0 and samples[1].source == "mixed"  # "hi" was the fix
-        assert samples[0].reward == pytest.approx(edit_similarity("hello world", "hi"))
+        assert samples[0].reward == 0.0  # corrected: min(correction 0.0, resolution 1.0)
         other.close()
 
 

@@ -2,7 +2,7 @@
 
 What capture promises on vLLM: each completion is recorded with the engine's
 token ids, the version of the adapter name the request was sent to (per
-request, repeated per token) and behaviour logprobs in "processed" mode; a
+request, repeated per token) and behaviour logprobs in "raw" mode; a
 forced tool call comes back as a parsed call whose arguments follow the schema.
 """
 
@@ -88,7 +88,7 @@ def test_a_completion_is_captured_with_token_ids_version_and_behaviour_logprobs(
     assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
     with vllm_gateway.http() as http:
         record = http.get(f"/v1/trajectories/{reply.id}").json()
-    assert record["logprobs_mode"] == "processed" and record["version_attribution"] == "request"
+    assert record["logprobs_mode"] == "raw" and record["version_attribution"] == "request"
     assert record["adapter_version"] == 1
     [sample] = record["samples"]
     assert sample["completion_token_ids"] == ids and sample["token_versions"] == versions
@@ -180,3 +180,35 @@ async def test_an_adapter_the_server_lost_is_a_retriable_503_and_is_loaded_again
             except EngineUnavailableError:
                 continue
         assert {t.adapter_version for c in chunks for t in c.tokens} == {1}
+
+
+def test_a_fresh_sample_has_importance_ratio_one_at_temperature_and_top_p(
+    vllm_gateway: GatewayServer, vllm_server: VLLMServer, tmp_path: Path
+) -> None:
+    """vLLM records raw behaviour logprobs, the quantity the trainer scores: a sample at
+    temperature 0.7 and top-p 0.9, scored by the trainer under the same adapter, has an
+    importance ratio of 1 (it was clipped when vLLM ran with processed logprobs)."""
+    import torch
+    from test_learning_mechanisms import trainer_logprobs
+
+    from clora_feedback.lora.peft_io import load_peft_adapter
+    from clora_feedback.train.policy import DecoderPolicy
+
+    client = vllm_gateway.openai()
+    prompt = "Once upon a time"
+    reply = client.completions.create(
+        model="support", prompt=prompt, max_tokens=24, temperature=0.7, top_p=0.9, seed=5
+    )
+    with vllm_gateway.http() as http:
+        record = http.get(f"/v1/trajectories/{reply.id}").json()
+    [sample] = record["samples"]
+    weights = load_peft_adapter(tmp_path / "support-peft")
+    policy = DecoderPolicy.from_dir(
+        vllm_server.model_dir, max_lora_rank=8, target_modules=tuple(weights.target_modules)
+    )
+    now = trainer_logprobs(
+        policy, weights, record["prompt_token_ids"], sample["completion_token_ids"]
+    )
+    ratio = torch.exp(now - torch.tensor(sample["logprobs"]))
+    assert len(sample["completion_token_ids"]) > 4
+    assert float((ratio - 1).abs().max()) < 0.02, ratio.tolist()

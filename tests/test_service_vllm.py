@@ -73,7 +73,7 @@ def test_feedback_trains_a_version_that_vllm_serves_next(
         assert choice.model_extra is not None
         assert set(choice.model_extra["clora"]["token_versions"]) == {1}
         record = service.trajectories.store.get(reply.id)
-        assert record.logprobs_mode == "processed" and record.version_attribution == "request"
+        assert record.logprobs_mode == "raw" and record.version_attribution == "request"
 
 
 async def test_serve_without_a_url_supervises_a_local_vllm_that_loads_the_registry_copy(

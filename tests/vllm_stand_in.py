@@ -72,7 +72,7 @@ def sse_chunk(token_ids: list[int], finish: str | None) -> str:
     return f"data: {json.dumps({'choices': [choice]})}\n\n"
 
 
-def probe_answer(temperature: float, *, processed: bool = True) -> dict[str, Any]:
+def probe_answer(temperature: float, *, processed: bool = False) -> dict[str, Any]:
     """The logprobs probe's answer: the top-2 gap doubles at temperature 0.5 when
     `processed` (logits / T, `processed_logprobs`), and stays put when raw."""
     scale = 1.0 / temperature if processed else 1.0
@@ -86,7 +86,7 @@ async def start_up_answer(
     request: web.Request,
     tokenizer: Any,
     *,
-    processed: bool = True,
+    processed: bool = False,
     tokenize_as: list[int] | None = None,
     max_model_len: int = 2048,
 ) -> web.Response | None:

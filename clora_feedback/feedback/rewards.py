@@ -13,17 +13,26 @@ names) and asks the policy whenever samples are read, so a new mapping applies
 to every stored event at once. `id` names the mapping; it goes into each
 version's manifest (`feedback_window["reward_policy"]`).
 
-`DefaultRewardPolicy` (id `default-v1:<hash of its config>`):
+`DefaultRewardPolicy` (id `default-v2:<hash of its config>`):
 
 - scope: a `Correction` judges sample 0 of each named completion (the output the
-  developer edited); a `Resolution` or `Reward` judges every sample.
+  developer saw); a `Resolution` or `Reward` judges every sample.
+- `Correction`: the configured reward of its verdict (`verdict_rewards`:
+  accepted 1.0, edited_and_kept 0.5, ignored 0.25, corrected 0.0, rejected 0.0
+  by default). A corrected output earns `corrected` however close it came: the
+  corrected content is its supervised target (and the two form a preference
+  pair, see `train/loss.py`); an edit that was kept is a target too.
 - `Resolution`: the configured reward of its outcome; with a satisfaction
-  score, `(1 - w) * outcome_reward + w * score` where `w = score_weight`.
-- `Correction`: `floor + (1 - floor) * similarity(output, corrected)`, with
-  similarity the `difflib` ratio in [0, 1] (1.0 when unchanged). The corrected
-  content is kept as a supervised target unless the output was accepted as-is.
+  score, `(1 - w) * outcome_reward + w * score` where `w = score_weight`. With a
+  `correct_answer`: an output equal to it (ignoring surrounding whitespace)
+  keeps that reward and is confirmed; any other output is wrong, earns at most
+  `verdict_rewards["corrected"]`, and the answer is its target.
 - `Reward`: its value, unchanged.
-- aggregation: the mean; source: the kind of the most recent event.
+- aggregation of several events on one sample: if any of them says the output
+  was wrong (corrected, rejected, or a correct answer it does not match), the
+  lowest value, so no other judgement can lift a wrong output; otherwise the
+  mean. Targets are the distinct right answers given. Source: the kind of the
+  most recent event.
 
 Pure functions over already-validated events: no I/O.
 
@@ -51,13 +60,22 @@ class RewardSignal:
 
     Attributes:
         value: the scalar reward.
-        target: corrected content to train on with supervised loss, if any.
-        similarity: for corrections, how close the output was to the corrected one.
+        target: the right answer when the output was not it (a supervised target,
+            and the preferred side of a preference pair with the output), or an
+            edit that was kept.
+        similarity: for corrections, how close the output was to the corrected one
+            (reported, never rewarded).
+        wrong: the event says the output was wrong (corrected, rejected, or not the
+            correct answer): the sample's reward is then the lowest of its judgements.
+        confirmed: the event says the output itself was right (accepted, or equal to
+            the correct answer): a positive example for replay.
     """
 
     value: float
     target: str | None = None
     similarity: float | None = None
+    wrong: bool = False
+    confirmed: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,7 +141,7 @@ class DefaultRewardPolicy:
             "agent_rewards": {a: c.model_dump(mode="json") for a, c in self._per_agent.items()},
         }
         digest = hashlib.sha256(json.dumps(mapping, sort_keys=True).encode()).hexdigest()
-        self._id = f"default-v1:{digest[:12]}"
+        self._id = f"default-v2:{digest[:12]}"
 
     @property
     def id(self) -> str:
@@ -146,27 +164,46 @@ class DefaultRewardPolicy:
         if isinstance(event, Reward):
             return RewardSignal(event.value)
         if isinstance(event, Resolution):
-            if event.outcome not in policy.outcome_rewards:
-                raise InvalidRequestError(
-                    f"no reward is configured for outcome {event.outcome!r}", param="outcome"
-                )
-            value = policy.outcome_rewards[event.outcome]
-            if event.score is not None:
-                value = (1 - policy.score_weight) * value + policy.score_weight * event.score
-            return RewardSignal(value)
-        if event.accepted_as_is:
-            return RewardSignal(1.0, None, 1.0)
+            return self._resolution(policy, event, output_text)
+        verdict = event.signal
+        value = policy.verdict_rewards[verdict]
+        if verdict not in ("corrected", "edited_and_kept"):
+            return RewardSignal(value, wrong=verdict == "rejected", confirmed=verdict == "accepted")
         corrected = (
             event.corrected_content
             if event.corrected_content is not None
             else apply_unified_diff(output_text, event.diff or "")
         )
+        if corrected == output_text:  # an "edit" that changed nothing accepts the output
+            return RewardSignal(policy.verdict_rewards["accepted"], None, 1.0, confirmed=True)
         similarity = edit_similarity(output_text, corrected)
-        value = policy.correction_floor + (1.0 - policy.correction_floor) * similarity
-        return RewardSignal(value, corrected if corrected != output_text else None, similarity)
+        return RewardSignal(value, corrected, similarity, wrong=verdict == "corrected")
+
+    @staticmethod
+    def _resolution(
+        policy: RewardPolicyConfig, event: Resolution, output_text: str
+    ) -> RewardSignal:
+        if event.outcome not in policy.outcome_rewards:
+            raise InvalidRequestError(
+                f"no reward is configured for outcome {event.outcome!r}", param="outcome"
+            )
+        value = policy.outcome_rewards[event.outcome]
+        if event.score is not None:
+            value = (1 - policy.score_weight) * value + policy.score_weight * event.score
+        answer = event.correct_answer
+        if answer is None:
+            return RewardSignal(value)
+        if output_text.strip() == answer.strip():
+            return RewardSignal(value, confirmed=True)
+        value = min(value, policy.verdict_rewards["corrected"])
+        similarity = edit_similarity(output_text, answer)
+        return RewardSignal(value, answer, similarity, wrong=True)
 
     def reward(self, judged: Sequence[Judgement]) -> float:
-        return sum(j.signal.value for j in judged) / len(judged)
+        values = [j.signal.value for j in judged]
+        if any(j.signal.wrong for j in judged):
+            return min(values)
+        return sum(values) / len(values)
 
     def source(self, judged: Sequence[Judgement]) -> str:
         return judged[-1].kind

@@ -125,11 +125,15 @@ class TrainingSample:
         logprobs: [C] behaviour logprobs.
         token_versions: [C] adapter version per token.
         rewards: (event_id, kind, value) of every event judging this sample, oldest first.
-        targets: corrected contents to learn with supervised loss.
+        targets: the right answers given for it (corrected contents, correct answers,
+            kept edits), distinct, oldest first: supervised targets.
         last_seq: highest event-target sequence number included (for incremental reads).
         created_at: when the completion was served.
         reward: the policy's aggregate of `rewards`.
         source: the policy's reward source, which admission balances by.
+        wrong: some event says this output was wrong (its targets are preferred to it).
+        confirmed: some event says this output was right, and none that it was wrong.
+        logprobs_mode: what `logprobs` mean (`TrajectoryRecord.logprobs_mode`).
     """
 
     completion_id: str
@@ -146,6 +150,9 @@ class TrainingSample:
     created_at: float
     reward: float
     source: str
+    wrong: bool = False
+    confirmed: bool = False
+    logprobs_mode: str = "raw"
 
 
 @dataclass(frozen=True)
@@ -608,6 +615,8 @@ class FeedbackStore(Generic[_Reader]):
     ) -> TrainingSample:
         sample = next(s for s in t.samples if s.index == index)
         judged = [j for _, j in items]
+        wrong = any(j.signal.wrong for j in judged)
+        targets = [j.signal.target for j in judged if j.signal.target is not None]
         return TrainingSample(
             completion_id=t.id,
             sample_index=index,
@@ -618,11 +627,14 @@ class FeedbackStore(Generic[_Reader]):
             logprobs=sample.logprobs,
             token_versions=sample.token_versions,
             rewards=[(j.event_id, j.kind, j.signal.value) for j in judged],
-            targets=[j.signal.target for j in judged if j.signal.target is not None],
+            targets=list(dict.fromkeys(targets)),
             last_seq=items[-1][0],
             created_at=t.created_at,
             reward=self.policy.reward(judged),
             source=self.policy.source(judged),
+            wrong=wrong,
+            confirmed=not wrong and any(j.signal.confirmed for j in judged),
+            logprobs_mode=t.logprobs_mode,
         )
 
     def close(self) -> None:

@@ -6,11 +6,12 @@ agent's event with the same id is its own), the `agent` it judges, what it
 refers to (one completion, several, or a conversation), where it came from
 and when it happened:
 
-- `Correction`: a developer edited the agent's output. The corrected content
-  (or a unified diff against the output) becomes a supervised target; no
-  change at all means "accepted as-is".
+- `Correction`: a developer's verdict on the agent's output: accepted,
+  corrected (the corrected content, or a unified diff against the output,
+  becomes a supervised target), edited and kept, rejected or ignored.
 - `Resolution`: an operator closed the case: resolved, escalated, reopened,
-  rejected or abandoned, with an optional satisfaction score.
+  rejected or abandoned, with an optional satisfaction score and, optionally,
+  the answer the agent should have given (`correct_answer`).
 - `Reward`: an explicit scalar from any other source.
 
 Beside the events, this module holds the rest of the feedback wire contract,
@@ -102,10 +103,27 @@ class _Event(BaseModel):
         return ids + [c for c in self.completion_ids if c not in ids]
 
 
+Verdict = Literal["accepted", "corrected", "edited_and_kept", "rejected", "ignored"]
+"""What a developer did with an output (`Correction.verdict`; values in `RewardPolicyConfig`)."""
+
+
 class Correction(_Event):
-    """A developer's edit of the agent's output."""
+    """A developer's verdict on the agent's output, with the edit when there is one.
+
+    The five signals (`verdict`; what each is worth is `RewardPolicyConfig.verdict_rewards`):
+    `accepted` (taken as it was), `corrected` (replaced by `corrected_content` or `diff`:
+    the output earns nothing for being close, the correction is the target), `edited_and_kept`
+    (the developer edited it and the edit was still there later: a partial success, the edit
+    is the target), `rejected` (thrown away, no better answer given) and `ignored` (never
+    used). Without `verdict`: `corrected` when content or a diff is given, else `accepted`.
+    """
 
     kind: Literal["correction"] = "correction"
+    verdict: Verdict | None = Field(
+        None,
+        description="accepted, corrected, edited_and_kept, rejected or ignored; default: "
+        "corrected when corrected_content or diff is given, else accepted.",
+    )
     corrected_content: str | None = Field(
         None, max_length=MAX_TEXT, description="The output as the developer left it."
     )
@@ -122,7 +140,22 @@ class Correction(_Event):
     def _one_form(self) -> Correction:
         if self.corrected_content is not None and self.diff is not None:
             raise ValueError("give corrected_content or diff, not both")
+        edited = self.corrected_content is not None or bool(self.diff)
+        if self.verdict in ("corrected", "edited_and_kept") and not edited:
+            raise ValueError(f"verdict {self.verdict!r} needs corrected_content or diff")
+        if self.verdict in ("accepted", "rejected", "ignored") and edited:
+            raise ValueError(
+                f"verdict {self.verdict!r} takes no corrected_content or diff "
+                "(an output with a better answer is 'corrected')"
+            )
         return self
+
+    @property
+    def signal(self) -> Verdict:
+        """The verdict, given or inferred (`corrected` with an edit, else `accepted`)."""
+        if self.verdict is not None:
+            return self.verdict
+        return "accepted" if self.accepted_as_is else "corrected"
 
     @property
     def accepted_as_is(self) -> bool:
@@ -141,8 +174,32 @@ class Resolution(_Event):
         description="Optional satisfaction score normalised to [0, 1] (e.g. CSAT/5).",
     )
     resolution_text: str | None = Field(
-        None, max_length=MAX_TEXT, description="The operator's resolution note."
+        None,
+        max_length=MAX_TEXT,
+        description="The operator's resolution note: stored with the event, never trained on "
+        "(put the answer the agent should have given in `correct_answer`).",
     )
+    correct_answer: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_TEXT,
+        description="What the agent should have answered (e.g. the queue the operator rerouted "
+        "the case to, or the reply that resolved it). An output that differs is treated like a "
+        "corrected one (no credit for being close; this text is the training target); an equal "
+        "one (ignoring surrounding whitespace) earns the outcome's reward. Names exactly one "
+        "completion (`completion_id`).",
+    )
+
+    @model_validator(mode="after")
+    def _one_answer(self) -> Resolution:
+        if self.correct_answer is not None and (
+            self.completion_id is None or self.completion_ids or self.conversation_id
+        ):
+            raise ValueError(
+                "correct_answer answers one request: name it with completion_id alone "
+                "(not completion_ids or conversation_id)"
+            )
+        return self
 
 
 class Reward(_Event):

@@ -231,6 +231,13 @@ class AdamConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of update `step` (>= 1): linear warm-up over `warmup_steps`."""
+        if self.warmup_steps <= 0:
+            return self.lr
+        return self.lr * min(1.0, step / self.warmup_steps)
 
 
 def adam_step(
@@ -261,7 +268,8 @@ def adam_step(
         bias1 = 1 - b1**step
         bias2 = 1 - b2**step
         denom = (exp_avg_sq / bias2).sqrt_().add_(cfg.eps)
+        lr = cfg.lr_at(step)
         if cfg.weight_decay:
-            params.mul_(1 - cfg.lr * cfg.weight_decay)
-        params.addcdiv_(exp_avg, denom, value=-cfg.lr / bias1)
+            params.mul_(1 - lr * cfg.weight_decay)
+        params.addcdiv_(exp_avg, denom, value=-lr / bias1)
     return norm

@@ -4,9 +4,11 @@
 
 1. swap each agent's state (params, Adam moments) from host memory into a slot;
 2. one forward/backward over every agent's rows together (policy-gradient
-   rows on engine token ids, supervised rows on corrected outputs), each
-   agent's loss normalised over its own tokens only, so its gradient is
-   exactly what training it alone would give;
+   rows on engine token ids, supervised rows on right answers, and both sides
+   of each preference pair), each agent's loss normalised over its own rows
+   only, so its gradient is exactly what training it alone would give; the
+   base model (adapter disabled) scores the pairs, and every row for the KL
+   term, in one extra pass without gradients;
 3. each agent's own AdamW step on its own flat buffers;
 4. swap back out.
 
@@ -26,6 +28,7 @@ from clora_feedback.train.loss import (
     advantages,
     clipped_pg_loss,
     kl_to_reference,
+    preference_loss,
     sft_loss,
 )
 from clora_feedback.train.policy import PolicyModel
@@ -61,13 +64,40 @@ class SFTSample:
     target_ids: list[int]
 
 
+@dataclass(frozen=True)
+class PreferencePair:
+    """A wrong output and the right answer given for the same prompt.
+
+    Attributes:
+        prompt_ids: [P] prompt tokens.
+        chosen_ids: [W] the right answer's tokens (EOS included).
+        rejected_ids: [L] the wrong output's engine tokens.
+    """
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
 @dataclass
 class AgentBatch:
-    """One agent's admitted mini-batch."""
+    """One agent's admitted mini-batch.
+
+    Attributes:
+        state: the agent's training state.
+        pg: rewarded samples with raw behaviour logprobs (policy gradient).
+        sft: supervised targets (right answers, replayed labelled examples).
+        pairs: preference pairs.
+    """
 
     state: AgentTrainState
     pg: list[PGSample] = field(default_factory=list)
     sft: list[SFTSample] = field(default_factory=list)
+    pairs: list[PreferencePair] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return len(self.pg) + len(self.sft) + 2 * len(self.pairs)
 
 
 @dataclass(frozen=True)
@@ -83,6 +113,10 @@ class StepResult:
     reward_mean: float
     num_pg: int
     num_sft: int
+    num_pairs: int
+    pref_loss: float
+    pref_ordered: float
+    lr: float
     tokens: int
     grad_norm: float
     ratio_mean: float
@@ -99,17 +133,34 @@ class StepResult:
 def _rows(batches: list[AgentBatch]) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
     """All rows of the pass, (prompt, scored ids), and the agent index of each row.
 
-    Per agent: its policy-gradient rows, then its supervised rows."""
+    Per agent: its policy-gradient rows, its supervised rows, then each pair's
+    chosen and rejected rows."""
     seqs: list[tuple[list[int], list[int]]] = []
     owner: list[int] = []
     for i, batch in enumerate(batches):
-        for s in batch.pg:
-            seqs.append((s.prompt_ids, s.completion_ids))
-            owner.append(i)
-        for t in batch.sft:
-            seqs.append((t.prompt_ids, t.target_ids))
-            owner.append(i)
+        seqs += [(s.prompt_ids, s.completion_ids) for s in batch.pg]
+        seqs += [(t.prompt_ids, t.target_ids) for t in batch.sft]
+        for p in batch.pairs:
+            seqs += [(p.prompt_ids, p.chosen_ids), (p.prompt_ids, p.rejected_ids)]
+        owner += [i] * batch.rows
     return seqs, owner
+
+
+def _reference_rows(
+    model: PolicyModel,
+    seqs: list[tuple[list[int], list[int]]],
+    counts: list[int],
+    wanted: list[bool],
+) -> dict[int, torch.Tensor]:
+    """The base model's (adapter disabled) token logprobs of the rows marked `wanted`,
+    by row index, in one pass without gradients."""
+    picked = [i for i, w in enumerate(wanted) if w]
+    if not picked:
+        return {}
+    with torch.no_grad():
+        logp = model.token_logprobs(PackedBatch.build([seqs[i] for i in picked]), None)
+    rows = torch.split(logp, [counts[i] for i in picked])
+    return dict(zip(picked, rows, strict=True))
 
 
 def train_step(
@@ -132,57 +183,22 @@ def train_step(
     logp = model.token_logprobs(packed, lora)
     counts = packed.mask.sum(dim=1).tolist()
     per_row = list(torch.split(logp, counts))
-    ref_rows: list[torch.Tensor] = []
-    if loss_cfg.kl_coef > 0:
-        with torch.no_grad():
-            ref_rows = list(torch.split(model.token_logprobs(packed, None), counts))
+    wanted: list[bool] = []
+    for batch in batches:  # the reference scores every row for KL, else only the pairs
+        kl = loss_cfg.kl_coef > 0
+        wanted += [kl] * len(batch.pg) + [False] * len(batch.sft) + [True] * 2 * len(batch.pairs)
+    ref = _reference_rows(model, seqs, counts, wanted)
 
     total = logp.new_zeros(())
     stats: list[dict[str, float]] = []
     row = 0
     for batch in batches:
-        n_pg, n_sft = len(batch.pg), len(batch.sft)
-        pg_rows = per_row[row : row + n_pg]
-        sft_rows = per_row[row + n_pg : row + n_pg + n_sft]
-        s: dict[str, float] = {
-            "pg_loss": 0.0,
-            "sft_loss": 0.0,
-            "kl": 0.0,
-            "ratio_mean": 1.0,
-            "clip_frac": 0.0,
-        }
-        loss_i = logp.new_zeros(())
-        if n_pg:
-            adv, batch.state.baseline = advantages(
-                [p.reward for p in batch.pg],
-                [p.group for p in batch.pg],
-                batch.state.baseline,
-                loss_cfg.baseline_momentum,
-            )
-            lp = torch.cat(pg_rows)
-            behaviour = torch.tensor(
-                [x for p in batch.pg for x in p.behaviour_logprobs], device=lp.device
-            )
-            adv_tok = torch.tensor(
-                [a for p, a in zip(batch.pg, adv, strict=True) for _ in p.completion_ids],
-                device=lp.device,
-            )
-            pg, extra = clipped_pg_loss(lp, behaviour, adv_tok, loss_cfg.clip_eps)
-            loss_i = loss_i + pg
-            s.update(extra, pg_loss=float(pg.item()))
-            if loss_cfg.kl_coef > 0:
-                kl = kl_to_reference(lp, torch.cat(ref_rows[row : row + n_pg]))
-                loss_i = loss_i + loss_cfg.kl_coef * kl
-                s["kl"] = float(kl.item())
-        if n_sft:
-            sl = sft_loss(torch.cat(sft_rows))
-            loss_i = loss_i + loss_cfg.sft_weight * sl
-            s["sft_loss"] = float(sl.item())
+        loss_i, s = _agent_loss(batch, per_row, ref, row, loss_cfg, logp.new_zeros(()))
         s["loss"] = float(loss_i.item())
-        s["tokens"] = float(sum(counts[row : row + n_pg + n_sft]))
+        s["tokens"] = float(sum(counts[row : row + batch.rows]))
         total = total + loss_i
         stats.append(s)
-        row += n_pg + n_sft
+        row += batch.rows
     if total.requires_grad:
         total.backward()
 
@@ -210,6 +226,10 @@ def train_step(
                 reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
                 num_pg=len(batch.pg),
                 num_sft=len(batch.sft),
+                num_pairs=len(batch.pairs),
+                pref_loss=s["pref_loss"],
+                pref_ordered=s["pref_ordered"],
+                lr=adam_cfg.lr_at(state.step),
                 tokens=int(s["tokens"]),
                 grad_norm=norm,
                 ratio_mean=s["ratio_mean"],
@@ -221,3 +241,65 @@ def train_step(
             )
         )
     return results
+
+
+def _agent_loss(
+    batch: AgentBatch,
+    per_row: list[torch.Tensor],
+    ref: dict[int, torch.Tensor],
+    row: int,
+    cfg: LossConfig,
+    zero: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One agent's loss over its rows, which start at `row` (see `_rows` for their order)."""
+    n_pg, n_sft, n_pairs = len(batch.pg), len(batch.sft), len(batch.pairs)
+    s: dict[str, float] = {
+        "pg_loss": 0.0,
+        "sft_loss": 0.0,
+        "kl": 0.0,
+        "ratio_mean": 1.0,
+        "clip_frac": 0.0,
+        "pref_loss": 0.0,
+        "pref_ordered": float("nan"),
+    }
+    loss = zero
+    if n_pg:
+        adv, batch.state.baseline = advantages(
+            [p.reward for p in batch.pg],
+            [p.group for p in batch.pg],
+            batch.state.baseline,
+            cfg.baseline_momentum,
+        )
+        lp = torch.cat(per_row[row : row + n_pg])
+        behaviour = torch.tensor(
+            [x for p in batch.pg for x in p.behaviour_logprobs], device=lp.device
+        )
+        adv_tok = torch.tensor(
+            [a for p, a in zip(batch.pg, adv, strict=True) for _ in p.completion_ids],
+            device=lp.device,
+        )
+        pg, extra = clipped_pg_loss(lp, behaviour, adv_tok, cfg.clip_eps)
+        loss = loss + pg
+        s.update(extra, pg_loss=float(pg.item()))
+        if cfg.kl_coef > 0:
+            kl = kl_to_reference(lp, torch.cat([ref[i] for i in range(row, row + n_pg)]))
+            loss = loss + cfg.kl_coef * kl
+            s["kl"] = float(kl.item())
+    if n_sft:
+        sl = sft_loss(per_row[row + n_pg : row + n_pg + n_sft])
+        loss = loss + cfg.sft_weight * sl
+        s["sft_loss"] = float(sl.item())
+    if n_pairs and cfg.preference_weight > 0:
+        first = row + n_pg + n_sft
+        sums = [per_row[i].sum() for i in range(first, first + 2 * n_pairs)]
+        ref_sums = [ref[i].sum() for i in range(first, first + 2 * n_pairs)]
+        pl, extra = preference_loss(
+            torch.stack(sums[0::2]),
+            torch.stack(sums[1::2]),
+            torch.stack(ref_sums[0::2]),
+            torch.stack(ref_sums[1::2]),
+            cfg.preference_beta,
+        )
+        loss = loss + cfg.preference_weight * pl
+        s.update(extra, pref_loss=float(pl.item()))
+    return loss, s

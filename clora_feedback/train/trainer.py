@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -70,6 +71,7 @@ from clora_feedback.store.versions import AdapterStore
 from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import PolicyModel
+from clora_feedback.train.replay import ReplayBuffer
 from clora_feedback.train.samples import SampleSource, TrainingSample
 from clora_feedback.train.state import (
     AdamConfig,
@@ -78,7 +80,14 @@ from clora_feedback.train.state import (
     TrainingSlot,
     init_lora,
 )
-from clora_feedback.train.step import AgentBatch, PGSample, SFTSample, StepResult, train_step
+from clora_feedback.train.step import (
+    AgentBatch,
+    PGSample,
+    PreferencePair,
+    SFTSample,
+    StepResult,
+    train_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +106,7 @@ class _AgentRun:
     pulled_seq: int  # highest reward seq offered to admission
     trained_seq: int  # highest reward seq covered by a published version
     last_step_at: float = field(default_factory=time.monotonic)
+    replay: ReplayBuffer = field(default_factory=lambda: ReplayBuffer(0))
 
 
 class ContinualTrainer(BackgroundTask):
@@ -123,11 +133,15 @@ class ContinualTrainer(BackgroundTask):
         self._loss = LossConfig(
             clip_eps=config.clip_eps,
             sft_weight=config.sft_weight,
+            preference_weight=config.preference_weight,
+            preference_beta=config.preference_beta,
             kl_coef=config.kl_coef,
-            max_staleness=config.admission.max_staleness,
         )
         self._adam = AdamConfig(
-            lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            warmup_steps=config.warmup_steps,
         )
         self._agents = agents or feedback.agents_with_rewards
         self._base_model = base_model or policy.model_name
@@ -140,6 +154,8 @@ class ContinualTrainer(BackgroundTask):
         self._executor: ThreadPoolExecutor | None = None
         self.leases = leases  # None: this trainer trains every agent (one trainer in all)
         self._candidates: list[str] | None = None  # the last round's trainable agents
+        self.skipped_pg = 0  # samples kept out of the policy gradient (not raw logprobs)
+        self.settled_batches = 0  # admitted batches with nothing to learn (no step)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -234,7 +250,8 @@ class ContinualTrainer(BackgroundTask):
         state = AgentTrainState.create(agent, layout, params, version=version)
         state.load_optimizer_state(optimizer_state)
         trained = self._trained_seq(agent)
-        return _AgentRun(state, pulled_seq=trained, trained_seq=trained)
+        replay = ReplayBuffer(self.config.replay_buffer, seed=self.config.seed)
+        return _AgentRun(state, pulled_seq=trained, trained_seq=trained, replay=replay)
 
     def _trained_seq(self, agent: str) -> int:
         """Highest reward seq any published version of `agent` trained on (0 if none)."""
@@ -325,41 +342,99 @@ class ContinualTrainer(BackgroundTask):
         return self.admission.admit(agent, run.state.version, force=overdue)
 
     def _agent_batch(
-        self, state: AgentTrainState, admitted: list[tuple[TrainingSample, int]]
+        self, run: _AgentRun, admitted: list[tuple[TrainingSample, int]]
     ) -> AgentBatch:
-        tokenizer = self.policy.tokenizer
-        eos = tokenizer.eos_token_id
-        batch = AgentBatch(state)
+        """The step's rows for one agent (see `ContinualTrainer` for what each sample gives).
+
+        Policy gradient: every sample with raw behaviour logprobs (a trajectory that
+        recorded another mode is never scored against the wrong quantity: it keeps
+        its supervised rows and pairs, and `skipped_pg` counts it). Supervised: each
+        right answer given for a sample, and each confirmed output as it was
+        generated; then up to `replay` labelled examples of earlier steps. Pairs:
+        each wrong output with each right answer given for it.
+        """
+        batch = AgentBatch(run.state)
+        fresh: list[SFTSample] = []
         for sample, staleness in admitted:
-            if sample.completion_token_ids:
+            output = sample.completion_token_ids
+            if output and sample.logprobs_mode == "raw":
                 batch.pg.append(
                     PGSample(
                         group=sample.completion_id,
                         prompt_ids=sample.prompt_token_ids,
-                        completion_ids=sample.completion_token_ids,
+                        completion_ids=output,
                         behaviour_logprobs=sample.logprobs,
                         reward=sample.reward,
                         staleness=staleness,
                     )
                 )
+            elif output:
+                self.skipped_pg += 1
             for target in sample.targets:
-                ids = list(tokenizer.encode(target, add_special_tokens=False))
-                budget = self.policy.max_model_len - len(sample.prompt_token_ids) - 1
-                if budget > 0:
-                    batch.sft.append(
-                        SFTSample(
-                            sample.prompt_token_ids,
-                            ids[:budget] + ([eos] if eos is not None else []),
-                        )
-                    )
+                ids = self._target_ids(sample.prompt_token_ids, target)
+                if not ids:
+                    continue
+                fresh.append(SFTSample(sample.prompt_token_ids, ids))
+                if sample.wrong and output:
+                    batch.pairs.append(PreferencePair(sample.prompt_token_ids, ids, output))
+            if sample.confirmed and output and not self._settled_output(sample):
+                fresh.append(SFTSample(sample.prompt_token_ids, output))
+        batch.sft = fresh + run.replay.sample(self.config.replay)
+        run.replay.add(fresh)
         return batch
 
+    def _settled_output(self, sample: TrainingSample) -> bool:
+        """Whether the engine produced `sample` with per-token probability (geometric
+        mean, raw logprobs) at least `settled_prob`: nothing left to learn from it."""
+        lps = sample.logprobs
+        if not lps or sample.logprobs_mode != "raw":
+            return False
+        return math.exp(sum(lps) / len(lps)) >= self.config.settled_prob
+
+    def _teaches(self, run: _AgentRun, admitted: list[tuple[TrainingSample, int]]) -> bool:
+        """Whether a batch can teach the agent anything: some sample has a right answer
+        other than its output, or is a confirmed output the agent was not yet sure of, or
+        its reward is away from what the agent usually earns (policy-gradient signal)."""
+        baseline = run.state.baseline
+        for sample, _ in admitted:
+            if sample.targets:
+                return True
+            if sample.confirmed:  # a settled confirmed output teaches nothing, whatever its reward
+                if not self._settled_output(sample):
+                    return True
+            elif baseline is None or abs(sample.reward - baseline) > self.config.settled_margin:
+                return True
+        return False
+
+    def _target_ids(self, prompt_ids: list[int], target: str) -> list[int]:
+        """A right answer's token ids, cut to the context, EOS last (empty if no room)."""
+        tokenizer = self.policy.tokenizer
+        eos = tokenizer.eos_token_id
+        budget = self.policy.max_model_len - len(prompt_ids) - 1
+        if budget <= 0:
+            return []
+        ids = list(tokenizer.encode(target, add_special_tokens=False))[:budget]
+        return ids + ([eos] if eos is not None else [])
+
     def _step(self, group: list[tuple[str, list[tuple[TrainingSample, int]]]]) -> list[StepResult]:
-        runs = [self._run_for(agent) for agent, _ in group]
-        batches = [
-            self._agent_batch(run.state, admitted)
-            for run, (_, admitted) in zip(runs, group, strict=True)
-        ]
+        runs, batches, kept = [], [], []
+        for agent, admitted in group:
+            run = self._run_for(agent)
+            batch = self._agent_batch(run, admitted)
+            if not self._teaches(run, admitted):
+                # Every sample was already settled: a step would only sharpen what the
+                # agent answers anyway (and Adam turns even a tiny gradient into a full-size
+                # move), which is how held-out answers drift. Consumed, nothing published.
+                self.settled_batches += 1
+                run.last_step_at = time.monotonic()
+                log.info("agent %s: %d settled samples, nothing to learn", agent, len(admitted))
+                continue
+            runs.append(run)
+            batches.append(batch)
+            kept.append((agent, admitted))
+        if not batches:
+            return []
+        group = kept
         slots = self._slots_for([b.state for b in batches])
         results = train_step(self.policy, slots, batches, self._loss, self._adam)
         published = []

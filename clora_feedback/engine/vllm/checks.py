@@ -1,4 +1,4 @@
-"""Start-up checks of a vLLM server: the same model as ours, and processed behaviour logprobs.
+"""Start-up checks of a vLLM server: the same model as ours, and raw behaviour logprobs.
 
 `VLLMEngine.start` runs these after picking the served model, and refuses the
 server with a `ConfigError` that says what to change:
@@ -106,15 +106,19 @@ def check_root(root: Any, model_dir: Path, url: str) -> None:
 async def check_logprobs_mode(
     client: VLLMClient, tokenizer: PreTrainedTokenizerBase, served_model: str
 ) -> None:
-    """Refuse a server whose logprobs are not those of the distribution sampled from.
+    """Refuse a server whose logprobs are not raw (the log-softmax of the raw logits).
 
-    The probe: the base model's top-2 logprobs for one next token, at temperature
-    1 and 0.5. Processed logprobs come from logits / T, so the gap between the two
-    doubles at T = 0.5; raw logprobs ignore T (the gap stays); the logits modes
-    give values above 0. A prompt whose top two (nearly) tie is skipped.
+    Behaviour logprobs have one meaning on every engine: raw, the temperature-1
+    policy the trainer scores (`clora_feedback.engine.sampling` says why), so a
+    fresh sample's importance ratio is 1 whatever temperature or top-p it was
+    sampled at. The probe: the base model's top-2 logprobs for one next token at
+    temperature 1 and 0.5. Raw logprobs ignore T (the gap between the two stays);
+    processed ones come from logits / T (the gap doubles); the logits modes give
+    values above 0. A prompt whose top two (nearly) tie is skipped.
 
     Raises:
-        ConfigError: the server does not run with `--logprobs-mode processed_logprobs`.
+        ConfigError: the server does not run with `--logprobs-mode raw_logprobs`
+            (vLLM's default).
     """
     for text in LOGPROB_PROBES:
         prompt = list(tokenizer.encode(text, add_special_tokens=False))
@@ -139,20 +143,20 @@ async def check_logprobs_mode(
         if gaps[0] < 1e-3:
             continue  # a near tie says nothing
         ratio = gaps[1] / gaps[0]
-        if abs(ratio - 2.0) < 0.25:
+        if abs(ratio - 1.0) < 0.1:
             return
         raise _wrong_mode(
             client.base_url,
-            "raw logprobs (temperature plays no part)" if abs(ratio - 1.0) < 0.1 else
-            f"logprobs that do not follow the temperature (gap ratio {ratio:.2f})",
+            "processed logprobs (they follow the temperature)" if abs(ratio - 2.0) < 0.25 else
+            f"logprobs that are not the raw model's (gap ratio {ratio:.2f})",
         )  # fmt: skip
     raise _wrong_mode(client.base_url, "nothing conclusive (every probe prompt tied)")
 
 
 def _wrong_mode(url: str, what: str) -> ConfigError:
     return ConfigError(
-        f"the vLLM server at {url} reports {what}; trajectories need the behaviour "
-        "logprobs of the distribution sampled from: start vLLM with "
-        "--logprobs-mode processed_logprobs",
+        f"the vLLM server at {url} reports {what}; trajectories need raw behaviour "
+        "logprobs (the temperature-1 model the trainer scores): start vLLM with "
+        "--logprobs-mode raw_logprobs (its default)",
         param="engine.vllm.urls",
     )

@@ -25,8 +25,8 @@ and the adapter is loaded there on first use; a replica that stops answering
 `start` refuses a server that cannot give what capture promises: it must serve
 the same model as `engine.model` (the same tokenizer, checked through
 `/tokenize`, and the same `config.json` when its directory is visible here) and report
-behaviour logprobs of the distribution sampled from (`--logprobs-mode
-processed_logprobs`, checked by a probe, see `checks`). Every replica passes
+raw behaviour logprobs, as the embedded engine does and the trainer scores
+(vLLM's default `--logprobs-mode raw_logprobs`, checked by a probe, see `checks`). Every replica passes
 these checks before it gets requests, at start and when it comes back.
 
 Not here: HTTP details and error translation (see `client`), the name
@@ -89,7 +89,7 @@ log = logging.getLogger(__name__)
 
 CAPABILITIES = EngineCapabilities(
     per_token_versions=False,
-    logprobs="processed",
+    logprobs="raw",
     in_memory_adapters=False,
     constraints=frozenset({"json_schema", "tool_call"}),
 )
@@ -221,7 +221,7 @@ class VLLMEngine:
 
         Raises:
             EngineUnavailableError: no replica answered `/health` within `startup_timeout_s`.
-            ConfigError: another model or tokenizer, or logprobs not `processed_logprobs`.
+            ConfigError: another model or tokenizer, or logprobs not `raw_logprobs`.
         """
         cfg = self.config.vllm
         if self.supervisor is not None:
@@ -318,7 +318,7 @@ class VLLMEngine:
 
     async def _admit(self, replica: Replica) -> None:
         """The start-up checks of one replica (also when it comes back): same model and
-        tokenizer, processed logprobs; learn its context and `--max-loras`."""
+        tokenizer, raw logprobs; learn its context and `--max-loras`."""
         client = replica.client
         if not isinstance(client, VLLMClient):
             return  # a test's fake replica: nothing to check

@@ -4,7 +4,7 @@ For the single-machine case (`clora serve --engine vllm` without a URL): the
 server runs the venv's `vllm serve` (`scripts/install_vllm.sh`) on the
 configured model directory, on a loopback port, with what the engine needs:
 `--enable-lora`, `--max-loras`, `--max-lora-rank` (the engine's rank rounded up
-to one vLLM accepts), `--logprobs-mode processed_logprobs`, runtime adapter
+to one vLLM accepts), `--logprobs-mode raw_logprobs`, runtime adapter
 loading (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), on CPU builds an explicit KV
 cache size and OpenMP binding (vLLM's defaults size the cache from 90 % of
 memory and spin on every core), and no chunked prefill unless
@@ -101,7 +101,7 @@ class VLLMSupervisor:
             "--max-model-len", str(cfg.max_model_len),
             "--max-num-seqs", str(cfg.max_num_seqs),
             "--dtype", local.dtype,
-            "--logprobs-mode", "processed_logprobs",
+            "--logprobs-mode", "raw_logprobs",
             "--uvicorn-log-level", "warning",
         ]  # fmt: skip
         if not local.chunked_prefill:
