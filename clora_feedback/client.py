@@ -70,6 +70,7 @@ from clora_feedback.schemas.feedback import (
     RejectedEvent,
     Resolution,
     Reward,
+    Verdict,
     event_validation_error,
     parse_events,
     sign_body,
@@ -285,9 +286,15 @@ class _Builders:
         content: str | None,
         diff: str | None,
         comment: str | None,
+        verdict: Verdict | None,
         fields: EventFields,
     ) -> Event:
-        kind_fields = {"corrected_content": content, "diff": diff, "comment": comment}
+        kind_fields = {
+            "corrected_content": content,
+            "diff": diff,
+            "comment": comment,
+            "verdict": verdict,
+        }
         return _build("correction", agent, self.source, {**kind_fields, **fields})
 
     def _resolution(
@@ -296,9 +303,15 @@ class _Builders:
         outcome: Outcome,
         score: float | None,
         text: str | None,
+        correct_answer: str | None,
         fields: EventFields,
     ) -> Event:
-        kind_fields = {"outcome": outcome, "score": score, "resolution_text": text}
+        kind_fields = {
+            "outcome": outcome,
+            "score": score,
+            "resolution_text": text,
+            "correct_answer": correct_answer,
+        }
         return _build("resolution", agent, self.source, {**kind_fields, **fields})
 
     def _reward(self, agent: str, value: float, name: str | None, fields: EventFields) -> Event:
@@ -376,10 +389,15 @@ class AsyncFeedbackClient(_Builders):
         corrected_content: str | None = None,
         diff: str | None = None,
         comment: str | None = None,
+        verdict: Verdict | None = None,
         **fields: Unpack[EventFields],
     ) -> FeedbackReceipt:
-        """A developer's edit (`corrected_content` or a unified `diff`; neither = accepted as-is)."""
-        return await self.send(self._correction(agent, corrected_content, diff, comment, fields))
+        """A developer's verdict: an edit (`corrected_content` or a unified `diff`), or
+        `verdict` alone (`accepted`, `rejected`, `ignored`; `edited_and_kept` with the edit);
+        nothing at all = accepted as-is."""
+        return await self.send(
+            self._correction(agent, corrected_content, diff, comment, verdict, fields)
+        )
 
     async def resolution(
         self,
@@ -388,10 +406,14 @@ class AsyncFeedbackClient(_Builders):
         *,
         score: float | None = None,
         resolution_text: str | None = None,
+        correct_answer: str | None = None,
         **fields: Unpack[EventFields],
     ) -> FeedbackReceipt:
-        """How the case ended (`resolved`, `escalated`, ...), with an optional score in [0, 1]."""
-        return await self.send(self._resolution(agent, outcome, score, resolution_text, fields))
+        """How the case ended (`resolved`, `escalated`, ...), with an optional score in [0, 1]
+        and the answer the agent should have given (`correct_answer`, for one completion)."""
+        return await self.send(
+            self._resolution(agent, outcome, score, resolution_text, correct_answer, fields)
+        )
 
     async def reward(
         self, agent: str, value: float, *, name: str | None = None, **fields: Unpack[EventFields]
@@ -497,10 +519,11 @@ class FeedbackClient(_Builders):
         corrected_content: str | None = None,
         diff: str | None = None,
         comment: str | None = None,
+        verdict: Verdict | None = None,
         **fields: Unpack[EventFields],
     ) -> FeedbackReceipt:
         """See `AsyncFeedbackClient.correction`."""
-        return self.send(self._correction(agent, corrected_content, diff, comment, fields))
+        return self.send(self._correction(agent, corrected_content, diff, comment, verdict, fields))
 
     def resolution(
         self,
@@ -509,10 +532,13 @@ class FeedbackClient(_Builders):
         *,
         score: float | None = None,
         resolution_text: str | None = None,
+        correct_answer: str | None = None,
         **fields: Unpack[EventFields],
     ) -> FeedbackReceipt:
         """See `AsyncFeedbackClient.resolution`."""
-        return self.send(self._resolution(agent, outcome, score, resolution_text, fields))
+        return self.send(
+            self._resolution(agent, outcome, score, resolution_text, correct_answer, fields)
+        )
 
     def reward(
         self, agent: str, value: float, *, name: str | None = None, **fields: Unpack[EventFields]

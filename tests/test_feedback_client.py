@@ -80,12 +80,21 @@ def test_builders_send_and_report(servers: ExitStack, store: FeedbackStore) -> N
         uuid.UUID(joined.event_ids[0])  # generated
         fix = client.correction("support", completion_id="c-support", corrected_content="hello")
         assert fix.joined == fix.event_ids
+        rerouted = client.resolution(
+            "support", "resolved", completion_id="c-support", correct_answer="billing"
+        )
+        assert rerouted.joined == rerouted.event_ids
+        dropped = client.correction("support", completion_id="c-support", verdict="rejected")
+        assert dropped.joined == dropped.event_ids
         parked = client.reward("support", 0.3, completion_ids=["c-later"], event_id="mine")
         assert parked.parked == ["mine"] and parked.event_ids == ["mine"]
         again = client.reward("support", 0.9, completion_ids=["c-later"], event_id="mine")
         assert again.duplicates == ["mine"]
     values = [r["value"] for r in store.rewards_for("c-support")]
-    assert values[0] == pytest.approx(0.5 * 1.0 + 0.5 * 0.5) and 0 < values[1] < 1
+    assert values[0] == pytest.approx(0.5 * 1.0 + 0.5 * 0.5)
+    assert values[1:] == [0.0, 0.0, 0.0]  # corrected, not the correct answer, rejected
+    targets = [r["target"] for r in store.rewards_for("c-support")]
+    assert targets[1:3] == ["hello", "billing"]
 
 
 def test_send_dicts_and_models(servers: ExitStack, store: FeedbackStore) -> None:
@@ -209,6 +218,15 @@ def test_cli_flags_file_and_stdin(
         == 0
     )
     assert json.loads(capsys.readouterr().out)["joined"]
+    answer = ["--outcome", "resolved", "--correct-answer", "billing"]
+    assert clora(*common, "--kind", "resolution", "--agent", "support", *answer) == 1
+    assert "completion_id" in capsys.readouterr().err  # the right answer names one completion
+    target = ["--agent", "support", "--completion-id", "c-support"]
+    assert clora(*common, "--kind", "resolution", *target, *answer) == 0
+    assert clora(*common, "--kind", "correction", *target, "--verdict", "ignored") == 0
+    capsys.readouterr()
+    rewards = store.rewards_for("c-support")
+    assert [(r["value"], r["target"]) for r in rewards[1:]] == [(0.0, "billing"), (0.25, None)]
 
     lines = tmp_path / "events.jsonl"
     lines.write_text(
@@ -294,6 +312,7 @@ def test_sync_client_produces_to_kafka(kafka_broker: LocalBroker) -> None:
         "conversation_id": None,
         "score": None,
         "resolution_text": None,
+        "correct_answer": None,
     }
     (fix,) = asyncio.run(read_topic(kafka_broker.bootstrap, KAFKA.corrections_topic))
     assert fix.key == b"sales" and json.loads(fix.value)["corrected_content"] == "fixed"

@@ -69,7 +69,12 @@ def add_feedback_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     one.add_argument("--source", default="cli", help="Who produced the event (default cli).")
     one.add_argument("--outcome", help="resolution: resolved, escalated, reopened, ...")
     one.add_argument("--score", type=float, help="resolution: satisfaction in [0, 1].")
-    one.add_argument("--text", help="resolution: the resolution note.")
+    one.add_argument("--text", help="resolution: the resolution note (stored, not trained on).")
+    one.add_argument(
+        "--correct-answer",
+        help="resolution: what the agent should have answered (one --completion-id); a "
+        "different output trains toward it.",
+    )
     one.add_argument("--corrected", help="correction: the corrected output.")
     one.add_argument(
         "--corrected-file", type=Path, help="correction: read the corrected output from a file."
@@ -78,6 +83,12 @@ def add_feedback_parser(subparsers: argparse._SubParsersAction[argparse.Argument
         "--diff-file", type=Path, help="correction: a unified diff against the output."
     )
     one.add_argument("--comment", help="correction: why it was changed.")
+    one.add_argument(
+        "--verdict",
+        choices=["accepted", "corrected", "edited_and_kept", "rejected", "ignored"],
+        help="correction: the developer's verdict (default: corrected with an edit, else "
+        "accepted).",
+    )
     one.add_argument("--value", type=float, help="reward: the scalar.")
     one.add_argument("--name", help="reward: what it measures.")
     send.set_defaults(func=run_send, feedback_parser=send)
@@ -106,11 +117,18 @@ def _event_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     elif ids:
         fields["completion_ids"] = ids
     if args.kind == "resolution":
-        fields.update(outcome=args.outcome, score=args.score, resolution_text=args.text)
+        fields.update(
+            outcome=args.outcome,
+            score=args.score,
+            resolution_text=args.text,
+            correct_answer=args.correct_answer,
+        )
     elif args.kind == "correction":
         corrected = args.corrected_file.read_text() if args.corrected_file else args.corrected
         diff = args.diff_file.read_text() if args.diff_file else None
-        fields.update(corrected_content=corrected, diff=diff, comment=args.comment)
+        fields.update(
+            corrected_content=corrected, diff=diff, comment=args.comment, verdict=args.verdict
+        )
     else:
         fields.update(value=args.value, name=args.name)
     return {k: v for k, v in fields.items() if v is not None}

@@ -25,7 +25,8 @@ of exactly 1 and the ratio then measures only how far the adapter moved
 sampler into the ratio (at temperature 0.7 a fresh sample's ratio is already
 far from 1 and gets clipped; greedy, top-k, top-p or a -100 bias would give 0
 or -inf), and would change what the OpenAI `logprobs` field reports (vLLM's
-default, `raw_logprobs`, is the same choice). The sampler's own distribution
+default, `raw_logprobs`, is the same choice, and the vLLM engine requires it, so
+both engines record one quantity). The sampler's own distribution
 is still fully known from the sampling parameters and the tokens so far. The
 OpenAI `logprobs` response field carries these same raw values.
 
