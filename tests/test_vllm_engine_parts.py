@@ -209,7 +209,7 @@ async def test_start_refuses_processed_logprobs_and_another_tokenizer(
         assert good.served_model == "tiny" and good.max_model_len == 2048
         await good.stop()
         server["processed"] = True
-        with pytest.raises(ConfigError, match="processed logprobs.*--logprobs-mode raw_logprobs"):
+        with pytest.raises(ConfigError, match=r"processed logprobs.*--logprobs-mode raw_logprobs"):
             await _engine(tiny_model_dir, url).start()
         server.update(processed=False, tokenize_as=[1])
         with pytest.raises(ConfigError, match="tokenizer differs"):
