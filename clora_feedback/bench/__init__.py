@@ -3,7 +3,8 @@
 `run_bench(what, argv)` runs module `clora_feedback.bench.<what>`'s
 `run(argv)`: `serve` (serving engine and gateway), `train`, `ingest` and
 `experiments` (the C-LoRA experiment), `scaleout` (the roles as processes, 1 vs 2), `precision` (bf16 vs fp32
-training compute).
+training compute), `learning` (held-out accuracy against wall time on task families
+the repo was not tuned for, default trainer settings).
 Benchmarks are programs, not tests: their figures are recorded in
 `docs/benchmarks.md`.
 """
@@ -14,7 +15,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("serve", "train", "ingest", "experiments", "scaleout", "precision")
+BENCHMARKS = ("serve", "train", "ingest", "experiments", "scaleout", "precision", "learning")
 """The names `run_bench` accepts."""
 
 OMP_WAIT_POLICIES = ("passive", "active", "inherit")

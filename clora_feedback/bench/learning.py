@@ -1,0 +1,631 @@
+"""`clora bench learning`: held-out accuracy against wall time on tasks the repo was not tuned for.
+
+Per task family (`learning_tasks`), one fresh service with the **default
+trainer settings** (`TrainerConfig()`: learning rate, admission, trigger,
+regression guard, all as `clora serve` ships them; nothing tuned per task)
+runs a streaming loop like a real deployment, for `--minutes`:
+
+- `--users` simulated users send training prompts through the real gateway
+  with the official `openai` client (sampling at `--temperature`), judge each
+  reply against the ground truth and post their feedback events to the
+  webhook as they go (one request each, as a user's tool would), then pause
+  (`--think` seconds on average, exponential): a deployment's serving is not
+  saturated all the time, and on a small CPU a saturated engine starves the
+  trainer, whose thread runs at a lower priority by default;
+- the service's own continual trainer admits samples and publishes versions
+  whenever its default admission says so;
+- whenever a new version serves (at most every `--eval-every` seconds), the
+  fixed held-out prompts (`--held-out`, combinations never seen in training)
+  are answered greedily through the gateway (no feedback is sent for them),
+  and the accuracy is recorded against the wall time since the users started
+  and the version that answered. The users keep going meanwhile.
+
+For each task it prints a table (time, version, held-out accuracy, the share
+of the most common answer class, the users' live accuracy since the previous
+evaluation, requests and events so far), then a summary over tasks and the
+machine (CPU model and flags). `--out PREFIX` writes PREFIX.json, PREFIX.md
+and PREFIX.png (held-out accuracy against time, one panel per task).
+
+Routing feedback: a right desk gets `Resolution(outcome="resolved")`; a wrong
+one `Resolution(outcome="escalated")` that names the right desk in its
+`correct_answer` when the schema has that field, else the escalation plus a
+`Correction` carrying the desk (the record says which).
+
+Run: `clora bench learning [--tasks api-call,routing,extract,escalation] [--minutes 10] [--seed 0]`.
+
+Not here: the task generators (`learning_tasks`), the service (`clora_feedback.service`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import random
+import re
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clora_feedback.bench.learning_tasks import (
+    ESCALATION,
+    FAMILIES,
+    Family,
+    Prompt,
+    Split,
+    desk_of,
+    fields_of,
+    fields_right,
+    first_line,
+)
+from clora_feedback.bench.report import format_facts, machine_facts
+from clora_feedback.config import Settings, TrainerConfig
+from clora_feedback.demo.experiment import ExperimentConfig, service_settings
+from clora_feedback.demo.server import LocalServer
+from clora_feedback.demo.workloads import Episode, Sampling
+from clora_feedback.schemas.feedback import Correction, Event, Resolution, Reward
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+log = logging.getLogger(__name__)
+
+AGENT = "learner"
+"""The agent name of every task (each task runs on its own fresh service)."""
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+"""The CPU flags that decide the engine's and trainer's kernels (reported when present)."""
+
+
+def resolutions_carry_answer() -> bool:
+    """Whether `Resolution` has the `correct_answer` field (else routing adds a `Correction`)."""
+    return "correct_answer" in Resolution.model_fields
+
+
+# -- one family as a workload ----------------------------------------------------------------
+
+
+class FamilyWorkload:
+    """A `learning_tasks.Family` behind the demo's `Workload` protocol, with its simulated user."""
+
+    def __init__(self, family: Family):
+        self.family = family
+        self.name = family.name
+        self.feedback_kind = "resolution" if family.name == "routing" else "correction"
+
+    def tasks(self, seed: int, split: Split, count: int) -> list[Prompt]:
+        return self.family.prompts(seed, split, count)
+
+    async def run_episode(
+        self, client: AsyncOpenAI, agent: str, task: Prompt, sampling: Sampling
+    ) -> Episode:
+        """One chat completion (stopped at the end of its first line), judged."""
+        reply = await client.chat.completions.create(
+            model=agent,
+            messages=task.messages(),  # type: ignore[arg-type]
+            max_tokens=self.family.max_tokens,
+            stop=["\n"],
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+        )
+        extra = reply.model_extra or {}
+        text = reply.choices[0].message.content or ""
+        return Episode(
+            task.id,
+            completion_ids=[reply.id],
+            reward=1.0 if self.family.correct(task, text) else 0.0,
+            answer=text,
+            versions=[int(extra.get("clora", {}).get("adapter_version", 0))],
+        )
+
+    def feedback(self, agent: str, task: Prompt, episode: Episode, *, event_id: str) -> list[Event]:
+        """The simulated user's events about one episode (see the module docstring)."""
+        target = {"agent": agent, "completion_id": episode.completion_ids[-1]}
+        right = episode.reward > 0
+        fix = Correction(
+            event_id=f"{event_id}-fix", source="simulated-developer",
+            corrected_content=task.answer, **target,
+        )  # fmt: skip
+        name = self.family.name
+        if name == "api-call":
+            if right:
+                return [Correction(event_id=event_id, source="simulated-developer", **target)]
+            return [fix.model_copy(update={"event_id": event_id})]
+        if name == "routing":
+            return _routing_events(task, right, event_id, target, fix)
+        value = fields_right(task.answer, episode.answer) if name == "extract" else float(right)
+        reward = Reward(
+            event_id=event_id, source=f"simulated-{name}-checker", value=value,
+            name="fields_right" if name == "extract" else "policy_followed",
+            completion_ids=[target["completion_id"]], agent=agent,
+        )  # fmt: skip
+        return [reward] if right else [reward, fix]
+
+
+def _routing_events(
+    task: Prompt, right: bool, event_id: str, target: dict[str, Any], fix: Correction
+) -> list[Event]:
+    common = {"event_id": event_id, "source": "simulated-operator", **target}
+    if right:
+        note = f"handled by {task.answer}"
+        return [Resolution(outcome="resolved", resolution_text=note, **common)]
+    if resolutions_carry_answer():  # the field the learning issue adds
+        carried = {**common, "outcome": "escalated", "correct_answer": task.answer}
+        return [Resolution.model_validate(carried)]
+    note = f"rerouted to {task.answer}"
+    return [Resolution(outcome="escalated", resolution_text=note, **common), fix]
+
+
+def answer_class(family: Family, reply: str | None) -> str:
+    """What a reply chose, to see a collapse onto one answer: the desk (`routing`), escalate or
+    answer (`escalation`), the service called (`api-call`), the city written (`extract`)."""
+    line = first_line(reply)
+    if family.name == "routing":
+        return desk_of(reply) or "other"
+    if family.name == "escalation":
+        return (
+            "escalate"
+            if line == ESCALATION
+            else ("answer" if line.startswith("Added") else "other")
+        )
+    if family.name == "api-call":
+        match = re.match(r'client\.call\("([^"]*)"', line)
+        return match.group(1) if match else "other"
+    return fields_of(line).get("city") or "other"
+
+
+# -- records ---------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalPoint:
+    """One held-out evaluation.
+
+    Attributes:
+        t_s: wall seconds since the users started (0: before any feedback).
+        version: the version served when the evaluation started.
+        versions: (lowest, highest) version that answered a held-out prompt.
+        accuracy: share of held-out prompts answered right (greedy).
+        top_class: the most common answer class (`answer_class`) and its share.
+        classes: count of every answer class.
+        live_accuracy: the users' accuracy since the previous evaluation (sampled replies).
+        requests: training requests sent so far.
+        events: feedback events sent so far.
+        eval_s: wall seconds the evaluation took.
+        wrong: up to three (request, reply) pairs it got wrong.
+    """
+
+    t_s: float
+    version: int
+    versions: tuple[int, int]
+    accuracy: float
+    top_class: tuple[str, float]
+    classes: dict[str, int]
+    live_accuracy: float | None
+    requests: int
+    events: int
+    eval_s: float
+    wrong: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class TaskRun:
+    """One family's run: its evaluations and what the registry published."""
+
+    task: str
+    signals: str
+    feedback_mode: str
+    train_pairs: int
+    held_out_pairs: int
+    held_out: int
+    cold_start_s: float = 0.0
+    wall_s: float = 0.0
+    requests: int = 0
+    events: int = 0
+    rejected: int = 0
+    errors: int = 0
+    evals: list[EvalPoint] = field(default_factory=list)
+    versions: list[dict[str, Any]] = field(default_factory=list)
+
+    def first_reaching(self, accuracy: float) -> EvalPoint | None:
+        return next((e for e in self.evals if e.accuracy >= accuracy), None)
+
+
+@dataclass
+class _Live:
+    """What the users have done so far (shared by the users and the monitor)."""
+
+    requests: int = 0
+    events: int = 0
+    rejected: int = 0
+    errors: int = 0
+    outcomes: list[bool] = field(default_factory=list)
+
+
+# -- the loop --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LearningConfig:
+    """Attributes: see `build_parser` (one option each)."""
+
+    tasks: tuple[str, ...] = tuple(FAMILIES)
+    minutes: float = 10.0
+    seed: int = 0
+    users: int = 4
+    think_s: float = 2.0
+    temperature: float = 0.8
+    held_out: int = 32
+    eval_every_s: float = 30.0
+    train_pool: int = 512
+    max_model_len: int = 1024
+    num_threads: int | None = None
+
+
+def learning_settings(model_dir: Path, data_dir: Path, cfg: LearningConfig) -> Settings:
+    """The experiments' service (embedded engine, webhook feedback, no broker) with every
+    trainer setting at its default: what a new user gets from `clora serve`."""
+    engine = ExperimentConfig(
+        max_num_seqs=max(8, 2 * cfg.users), max_model_len=cfg.max_model_len,
+        num_threads=cfg.num_threads,
+    )  # fmt: skip
+    settings = service_settings(model_dir, data_dir, engine, [AGENT])
+    settings.trainer = TrainerConfig()
+    return settings
+
+
+async def evaluate_held_out(
+    client: AsyncOpenAI, workload: FamilyWorkload, prompts: list[Prompt]
+) -> tuple[list[Episode], float]:
+    """Greedy episodes of every held-out prompt (8 at a time) and the wall seconds taken."""
+    gate = asyncio.Semaphore(8)
+    t0 = time.perf_counter()
+
+    async def one(prompt: Prompt) -> Episode:
+        async with gate:
+            return await workload.run_episode(client, AGENT, prompt, Sampling(temperature=0.0))
+
+    episodes = await asyncio.gather(*(one(p) for p in prompts))
+    return list(episodes), time.perf_counter() - t0
+
+
+async def _user(
+    client: AsyncOpenAI,
+    sender: Any,
+    workload: FamilyWorkload,
+    pool: list[Prompt],
+    rng: random.Random,
+    cfg: LearningConfig,
+    live: _Live,
+) -> None:
+    """One simulated user: request, judge, send the feedback, again (until cancelled)."""
+    while True:
+        prompt = rng.choice(pool)
+        try:
+            sampling = Sampling(cfg.temperature, 1.0, rng.randrange(2**31))
+            episode = await workload.run_episode(client, AGENT, prompt, sampling)
+            live.requests += 1
+            events = workload.feedback(AGENT, prompt, episode, event_id=uuid.uuid4().hex)
+            receipt = await sender.send(events)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a refused request or a failed send: count it, go on
+            live.errors += 1
+            log.debug("simulated user failed", exc_info=True)
+            await asyncio.sleep(1.0)
+            continue
+        live.events += len(events)
+        live.rejected += len(receipt.rejected)
+        live.outcomes.append(episode.reward > 0)
+        if cfg.think_s > 0:  # reading the reply: exponential, so arrivals are not in lockstep
+            await asyncio.sleep(rng.expovariate(1.0 / cfg.think_s))
+
+
+def _served_version(server: LocalServer) -> int:
+    return int(server.service.engine.stats().adapters.get(AGENT, 0))
+
+
+async def _evaluation(
+    client: AsyncOpenAI,
+    workload: FamilyWorkload,
+    held_out: list[Prompt],
+    server: LocalServer,
+    live: _Live,
+    t_s: float,
+    seen: int,
+) -> EvalPoint:
+    version = _served_version(server)
+    episodes, eval_s = await evaluate_held_out(client, workload, held_out)
+    classes = collections.Counter(answer_class(workload.family, e.answer) for e in episodes)
+    top, count = classes.most_common(1)[0]
+    answered = [v for e in episodes for v in e.versions]
+    recent = live.outcomes[seen:]
+    return EvalPoint(
+        t_s=round(t_s, 1),
+        version=version,
+        versions=(min(answered), max(answered)),
+        accuracy=sum(e.reward for e in episodes) / len(episodes),
+        top_class=(top, count / len(episodes)),
+        classes=dict(classes),
+        live_accuracy=sum(recent) / len(recent) if recent else None,
+        requests=live.requests,
+        events=live.events,
+        eval_s=round(eval_s, 2),
+        wrong=[(p.text, e.answer or "") for p, e in zip(held_out, episodes, strict=True)
+               if not e.reward][:3],
+    )  # fmt: skip
+
+
+async def stream(server: LocalServer, family: Family, cfg: LearningConfig, run: TaskRun) -> None:
+    """The streaming loop of one task against a started service (fills `run`)."""
+    from openai import AsyncOpenAI
+
+    from clora_feedback.client import AsyncFeedbackClient
+
+    workload = FamilyWorkload(family)
+    pool = workload.tasks(cfg.seed, "train", cfg.train_pool)
+    held_out = workload.tasks(cfg.seed, "eval", cfg.held_out)
+    client = AsyncOpenAI(base_url=server.base_url, api_key="bench", max_retries=3, timeout=600)
+    sender = AsyncFeedbackClient(server.url, source="simulated-users")
+    live = _Live()
+    users: list[asyncio.Task[None]] = []
+    try:
+        run.evals.append(await _evaluation(client, workload, held_out, server, live, 0.0, 0))
+        _print_point(family.name, run.evals[-1])
+        started = time.monotonic()
+        for user in range(cfg.users):
+            rng = random.Random(f"learning/{cfg.seed}/{family.name}/user-{user}")
+            users.append(asyncio.create_task(_user(client, sender, workload, pool, rng, cfg, live)))
+        deadline = started + 60 * cfg.minutes
+        last_eval, seen = started, 0
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            fresh = _served_version(server) != run.evals[-1].version
+            if fresh and time.monotonic() - last_eval >= cfg.eval_every_s:
+                t_s = time.monotonic() - started
+                point = await _evaluation(client, workload, held_out, server, live, t_s, seen)
+                run.evals.append(point)
+                _print_point(family.name, point)
+                last_eval, seen = time.monotonic(), len(live.outcomes)
+        for task in users:
+            task.cancel()
+        await asyncio.gather(*users, return_exceptions=True)
+        users.clear()
+        run.wall_s = time.monotonic() - started
+        if _served_version(server) != run.evals[-1].version or len(run.evals) == 1:
+            point = await _evaluation(client, workload, held_out, server, live, run.wall_s, seen)
+            run.evals.append(point)
+            _print_point(family.name, point)
+    finally:
+        for task in users:
+            task.cancel()
+        await asyncio.gather(*users, return_exceptions=True)
+        await sender.aclose()
+        await client.close()
+    run.requests, run.events, run.rejected, run.errors = (
+        live.requests, live.events, live.rejected, live.errors,
+    )  # fmt: skip
+
+
+def _print_point(task: str, p: EvalPoint) -> None:
+    live = "-" if p.live_accuracy is None else f"{p.live_accuracy:.2f}"
+    print(
+        f"{task:<10} t {p.t_s:6.0f} s  v{p.version:<3} held-out {p.accuracy:.3f}  "
+        f"top {p.top_class[0]} {p.top_class[1]:.2f}  live {live}  "
+        f"requests {p.requests}  events {p.events}  (eval {p.eval_s:.0f} s)",
+        flush=True,
+    )
+
+
+def _version_rows(registry: Any) -> list[dict[str, Any]]:
+    from clora_feedback.errors import NotFoundError
+
+    try:
+        versions = registry.versions(AGENT)
+    except NotFoundError:  # nothing was ever published
+        return []
+    rows = []
+    for v in sorted(versions, key=lambda v: v.version):
+        window = dict(v.feedback_window or {})
+        rows.append(
+            {
+                "version": v.version, "parent": v.parent, "status": v.status, "step": v.step,
+                "created_at": v.created_at, "metrics": dict(v.metrics),
+                "samples": window.get("samples"), "rolled_back_reason": v.rolled_back_reason,
+            }
+        )  # fmt: skip
+    return rows
+
+
+def run_task(model_dir: Path, work_dir: Path, family: Family, cfg: LearningConfig) -> TaskRun:
+    """One family on a fresh service (fresh stores and adapters under `work_dir`)."""
+    from clora_feedback.service import build_service
+
+    mode = "correction"
+    if family.name == "routing":
+        mode = (
+            "resolution.correct_answer" if resolutions_carry_answer() else "resolution+correction"
+        )
+    run = TaskRun(
+        task=family.name,
+        signals=family.signals,
+        feedback_mode=mode,
+        train_pairs=len(set(p.pair for p in family.prompts(cfg.seed, "train", cfg.train_pool))),
+        held_out_pairs=len(set(p.pair for p in family.prompts(cfg.seed, "eval", cfg.held_out))),
+        held_out=cfg.held_out,
+    )
+    t0 = time.monotonic()
+    service = build_service(learning_settings(model_dir, work_dir, cfg))
+    with LocalServer(service) as server:
+        run.cold_start_s = time.monotonic() - t0
+        asyncio.run(stream(server, family, cfg, run))
+        run.versions = _version_rows(service.registry)
+    return run
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def task_table(run: TaskRun) -> str:
+    """Markdown: one line per evaluation of one task."""
+    lines = [
+        f"**{run.task}** ({run.signals}; {run.train_pairs} training pairs, "
+        f"{run.held_out} held-out prompts over {run.held_out_pairs} unseen pairs)",
+        "",
+        "| t (s) | version | held-out accuracy | top answer (share) | live accuracy | requests | events |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in run.evals:
+        answered = f"v{p.version}" if p.versions[0] == p.versions[1] == p.version else (
+            f"v{p.version} (answered by v{p.versions[0]}-v{p.versions[1]})"
+        )  # fmt: skip
+        live = "-" if p.live_accuracy is None else f"{p.live_accuracy:.2f}"
+        lines.append(
+            f"| {p.t_s:.0f} | {answered} | {p.accuracy:.3f} | {p.top_class[0]} ({p.top_class[1]:.2f}) "
+            f"| {live} | {p.requests} | {p.events} |"
+        )
+    return "\n".join(lines)
+
+
+def summary_table(runs: Sequence[TaskRun]) -> str:
+    """Markdown: one line per task (before, best, last, time to 90%, versions, throughput)."""
+    lines = [
+        "| task | feedback | held-out before | best (t, version) | last (t, version) "
+        "| first >= 0.90 | versions | requests | events | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        before, last = r.evals[0], r.evals[-1]
+        best = max(r.evals, key=lambda e: e.accuracy)
+        hit = r.first_reaching(0.9)
+        reached = "never" if hit is None else f"{hit.t_s:.0f} s (v{hit.version})"
+        lines.append(
+            f"| {r.task} | {r.feedback_mode} | {before.accuracy:.3f} "
+            f"| {best.accuracy:.3f} ({best.t_s:.0f} s, v{best.version}) "
+            f"| {last.accuracy:.3f} ({last.t_s:.0f} s, v{last.version}) | {reached} "
+            f"| {len(r.versions)} | {r.requests} | {r.events} | {r.wall_s:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def cpu_facts() -> dict[str, str]:
+    """`report.machine_facts` plus the CPU flags that choose kernels and torch's view of them."""
+    facts = machine_facts()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    facts["cpu flags (kernel-relevant)"] = " ".join(f for f in _CPU_FLAGS if f in flags) or "-"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        facts["cpu capability (torch)"] = str(torch.backends.cpu.get_cpu_capability())
+    return facts
+
+
+def plot(path: Path, runs: Sequence[TaskRun]) -> Path:
+    """Held-out accuracy against wall time, one panel per task, each point labelled by version."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.6), squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        ts, acc = [e.t_s / 60 for e in run.evals], [e.accuracy for e in run.evals]
+        ax.plot(ts, acc, marker="o", linewidth=1.5)
+        for t, a, e in zip(ts, acc, run.evals, strict=True):
+            ax.annotate(f"v{e.version}", (t, a), textcoords="offset points", xytext=(0, 5),
+                        fontsize=7, ha="center")  # fmt: skip
+        ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+        ax.set(title=run.task, xlabel="wall time (min)", ylim=(-0.05, 1.08))
+    axes[0][0].set_ylabel("held-out accuracy (greedy)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(prefix: Path, cfg: LearningConfig, runs: Sequence[TaskRun], facts: dict[str, str]) -> str:
+    """Print and write the tables (PREFIX.md), the record (PREFIX.json) and the plot (PREFIX.png)."""
+    text = "\n\n".join([summary_table(runs), *(task_table(r) for r in runs), format_facts(facts)])
+    print("\n" + text, flush=True)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".md").write_text(text + "\n")
+    record = {"config": asdict(cfg), "facts": facts, "tasks": [asdict(r) for r in runs]}
+    prefix.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    try:
+        plot(prefix.with_suffix(".png"), runs)
+    except ImportError as exc:  # the tables and the JSON are the record
+        print(f"no plot ({exc}): pip install matplotlib")
+    return text
+
+
+# -- entry point -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = LearningConfig()
+    p = argparse.ArgumentParser(
+        prog="clora bench learning",
+        description="Held-out accuracy against wall time and versions on task families the "
+        "repo was not tuned for, with the default trainer settings.",
+    )
+    p.add_argument("--tasks", default=",".join(d.tasks), help=f"Comma list of {', '.join(FAMILIES)}.")  # fmt: skip
+    p.add_argument("--minutes", type=float, default=d.minutes, help="Streaming time per task.")
+    p.add_argument("--seed", type=int, default=d.seed, help="Prompts and the users' choices.")
+    p.add_argument("--users", type=int, default=d.users, help="Concurrent simulated users.")
+    p.add_argument("--think", type=float, default=d.think_s, help="Mean seconds a user waits between requests (exponential).")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=d.temperature, help="The users' sampling temperature.")  # fmt: skip
+    p.add_argument("--held-out", type=int, default=d.held_out, help="Held-out prompts per task.")
+    p.add_argument("--eval-every", type=float, default=d.eval_every_s, help="Least seconds between evaluations (each needs a new version).")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Engine context.")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores).")  # fmt: skip
+    p.add_argument("--model", default=None, help="Base model (default: the embedded default).")
+    p.add_argument("--work", type=Path, default=None, help="Stores and adapters (default: a temporary directory).")  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("var/bench/learning"), help="Writes OUT.json, OUT.md, OUT.png.")  # fmt: skip
+    return p
+
+
+def run(argv: Sequence[str]) -> int:
+    """`clora bench learning [options]`; returns the exit status."""
+    args = build_parser().parse_args(list(argv))
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    unknown = [t for t in tasks if t not in FAMILIES]
+    if unknown or not tasks:
+        print(f"unknown tasks {unknown}; choose from {', '.join(FAMILIES)}")
+        return 2
+    from clora_feedback.config import DEFAULT_MODEL
+    from clora_feedback.models.resolve import resolve_model_dir
+
+    for name in ("httpx", "httpx2", "openai", "uvicorn.access"):  # a line per request otherwise
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+    cfg = LearningConfig(
+        tasks=tasks, minutes=args.minutes, seed=args.seed, users=args.users, think_s=args.think,
+        temperature=args.temperature, held_out=args.held_out, eval_every_s=args.eval_every,
+        max_model_len=args.max_model_len, num_threads=args.threads,
+    )  # fmt: skip
+    model_dir = resolve_model_dir(args.model or DEFAULT_MODEL, Settings().model_cache_dir)
+    work = args.work or Path(tempfile.mkdtemp(prefix="clora-bench-learning-"))
+    load_before = machine_facts()["load average (1, 5, 15 min)"]
+    runs = []
+    for name in tasks:
+        print(f"== {name}: {FAMILIES[name].signals}; {cfg.minutes:g} min", flush=True)
+        runs.append(run_task(model_dir, work / name, FAMILIES[name], cfg))
+    facts = cpu_facts()
+    facts["load average at start"] = load_before
+    facts["model"] = str(args.model or DEFAULT_MODEL)
+    write(args.out, cfg, runs, facts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(sys.argv[1:]))
