@@ -174,16 +174,36 @@ def test_coding_tasks_split_variable_names_and_accept_their_reference() -> None:
         assert dev.review(t, t.reference).accepted
 
 
-def test_developer_accepts_equivalent_forms_and_rewrites_the_rest() -> None:
-    t = coding.CodingTask(
-        "t", "the list `xs` reversed", "xs[::-1]",
-        frozenset({coding.normalize("xs[::-1]"), coding.normalize("list(reversed(xs))")}),
-    )  # fmt: skip
+def test_developer_runs_the_code_and_accepts_any_equal_program() -> None:
+    t = coding.CodingTask("t", "the list `xs` reversed", "xs[::-1]", "xs", ([3, 1, 2], [7]))
     dev = coding.SimulatedDeveloper()
-    for output in ("xs[::-1]", "`xs[::-1]`", "```python\nxs[ : : -1 ]\n```", "list(reversed(xs));"):
+    for output in (
+        "xs[::-1]",
+        "`xs[::-1]`",
+        "```python\nxs[ : : -1 ]\n```",
+        "list(reversed(xs));",
+        "list(reversed(list(xs)))",
+    ):
         assert dev.review(t, output) == coding.Review(True, output, 1.0)
-    assert dev.review(t, "reversed(xs)") == coding.Review(False, "xs[::-1]", 0.0)
-    assert dev.review(t, "") == coding.Review(False, "xs[::-1]", 0.0)
+    for output in ("reversed(xs)", "", "xs", "def f(): return xs[::-1]", "print('hi')"):
+        review = dev.review(t, output)
+        assert (review.accepted, review.corrected, review.reward) == (False, "xs[::-1]", 0.0)
+        assert review.reason
+
+
+def test_the_developer_runs_nothing_outside_its_sandbox() -> None:
+    for code in (
+        "__import__('os').system('true')",
+        "xs.__class__",
+        "open('/etc/passwd')",
+        "[x for x in xs]",
+        "xs * 1000",
+        "(lambda: 1)()",
+        "xs + [1] + " + "9" * 40,
+    ):
+        with pytest.raises(coding.RejectedCode):
+            coding.run_expression(code, "xs", [1, 2])
+    assert coding.run_expression("max(xs) - min(xs)", "xs", [1, 5]) == 4
 
 
 # -- the feedback each workload sends --------------------------------------------------------
@@ -198,6 +218,7 @@ def test_support_feedback_is_one_resolution() -> None:
     bad = Episode(ticket.id, completion_ids=["chatcmpl-2"], reward=0.0)
     (event,) = SupportWorkload().feedback("support", ticket, bad, event_id="e2")
     assert isinstance(event, Resolution) and event.outcome == "escalated"
+    assert event.correct_answer == ticket.team and good.correct_answer is None  # rerouted
 
 
 def test_tool_use_feedback_rewards_every_turn_and_corrects_the_wrong_one() -> None:

@@ -16,8 +16,12 @@ What runs (all in this process, except the broker):
     rewrites each answer and posts the `Correction` to the webhook.
 
 The terminal shows a progress bar and one live line per agent (requests,
-feedback, live version, reward moving average, staleness of the samples the
-trainer admitted). At the end (or on Ctrl-C, which stops everything
+feedback, live version, the reward of the last 32 answers, staleness of the
+samples the trainer admitted); without a terminal, one plain line per new
+version. The reward is one quantity everywhere: the simulated judge's 1 or 0
+is what the server's reward policy gives the event it sends (a resolved or
+accepted answer 1.0, an escalated or corrected one 0.0), so the live line and
+the versions table's per-step batch mean measure the same thing. At the end (or on Ctrl-C, which stops everything
 cleanly) it writes a reward-curve PNG per agent and prints the table of
 versions from the registry.
 
@@ -33,6 +37,7 @@ import json
 import logging
 import random
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -77,11 +82,12 @@ class DemoConfig:
         minutes: stop after this long at the latest.
         users: concurrent simulated users per agent.
         temperature: the agents' sampling temperature (exploration).
-        lr: the trainer's learning rate.
+        lr: the trainer's learning rate (None: `TrainerConfig`'s default, as `clora serve`).
         rank: LoRA rank of the trained adapters.
-        batch: samples per optimizer step (admission min and max).
+        batch: samples per optimizer step, admission min and max (None: the defaults).
         num_threads: torch threads (None: all cores).
-        progress: draw tqdm bars (else log a line per agent every few seconds).
+        progress: draw tqdm bars (else print one plain line per new version); None:
+            bars when standard output is a terminal.
         fresh: start from empty stores and adapters.
         seed: task order of the simulated users.
     """
@@ -94,11 +100,11 @@ class DemoConfig:
     minutes: float = 15.0
     users: int = 4
     temperature: float = 0.8
-    lr: float = 1e-3
+    lr: float | None = None
     rank: int = 8
-    batch: int = 16
+    batch: int | None = None
     num_threads: int | None = None
-    progress: bool = True
+    progress: bool | None = None
     fresh: bool = True
     seed: int = 0
 
@@ -123,13 +129,19 @@ class AgentLive:
     def line(self) -> str:
         return (
             f"{self.name:<8} requests {self.requests:>5}  feedback {self.feedback:>5}  "
-            f"version v{self.version:<3} reward(ma32) {self.moving_average():.2f}  "
+            f"version v{self.version:<3} reward (last 32) {self.moving_average():.2f}  "
             f"staleness {self.staleness:.2f}" + (f"  errors {self.errors}" if self.errors else "")
         )
 
 
 def demo_settings(config: DemoConfig, model_dir: Path, bootstrap: str) -> Settings:
-    """The service configuration of the demo: `clora serve` defaults plus a quick trainer."""
+    """The service configuration of the demo: `clora serve`'s, trainer defaults included
+    (only `lr` and `batch` when given, a faster trigger and a guard sized for a demo)."""
+    trainer: dict[str, Any] = {"rank": config.rank}
+    if config.lr is not None:
+        trainer["lr"] = config.lr
+    if config.batch is not None:
+        trainer["admission"] = {"min_batch": config.batch, "max_batch": config.batch}
     return Settings(
         data_dir=config.data_dir,
         adapters_dir=config.data_dir / "adapters",
@@ -142,9 +154,7 @@ def demo_settings(config: DemoConfig, model_dir: Path, bootstrap: str) -> Settin
         agents=[AgentConfig(name=a) for a in config.agents],
         feedback=FeedbackConfig(kafka=KafkaConfig(bootstrap_servers=bootstrap)),
         trainer=TrainerConfig(
-            rank=config.rank,
-            lr=config.lr,
-            admission={"min_batch": config.batch, "max_batch": config.batch, "max_staleness": 2},
+            **trainer,
             trigger_interval_s=120.0,
             poll_interval_s=0.2,
             guard=GuardConfig(min_samples=32, margin=0.15, check_interval_s=10.0),
@@ -197,7 +207,10 @@ class Demo:
                         name=f"user-{name}-{user}",
                     )
                 )
-        display = _Display(self) if self.config.progress else _LogDisplay(self)
+        progress = self.config.progress
+        if progress is None:
+            progress = sys.stdout.isatty()
+        display = _Display(self) if progress else _LogDisplay(self)
         try:
             while not self.done():
                 self._refresh()
@@ -300,17 +313,18 @@ class _Display:
 
 
 class _LogDisplay:
-    """Plain lines every 5 s (no terminal, e.g. CI or a log file)."""
+    """One plain line per new version of an agent (no terminal: CI, a log file)."""
 
     def __init__(self, demo: Demo):
         self.demo = demo
-        self.last = 0.0
+        self.shown = {name: -1 for name in demo.live}
 
     def update(self) -> None:
-        if time.monotonic() - self.last >= 5.0:
-            self.last = time.monotonic()
-            for agent in self.demo.live.values():
-                print(agent.line(), flush=True)
+        for name, agent in self.demo.live.items():
+            if agent.version != self.shown[name]:
+                self.shown[name] = agent.version
+                elapsed = time.monotonic() - self.demo.started
+                print(f"[{elapsed:6.0f} s] {agent.line()}", flush=True)
 
     def close(self) -> None:
         for agent in self.demo.live.values():
@@ -323,7 +337,7 @@ class _LogDisplay:
 def versions_table(registry: Any, agents: Sequence[str]) -> str:
     """Markdown table of every agent's versions (status, step, reward, loss, samples, staleness)."""
     rows = [
-        "| agent | version | parent | status | step | reward (batch) | loss | samples | staleness |",
+        "| agent | version | parent | status | step | reward (step batch) | loss | samples | staleness |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for agent in agents:
@@ -436,11 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--versions", type=int, default=d.versions, help="Stop at this many versions per agent (0: no limit).")  # fmt: skip
     p.add_argument("--minutes", type=float, default=d.minutes, help="Stop after this long at the latest.")  # fmt: skip
     p.add_argument("--users", type=int, default=d.users, help="Concurrent users per agent.")
-    p.add_argument("--batch", type=int, default=d.batch, help="Samples per optimizer step.")
-    p.add_argument("--lr", type=float, default=d.lr, help="Learning rate.")
+    p.add_argument("--batch", type=int, default=d.batch, help="Samples per optimizer step (default: the trainer's admission).")  # fmt: skip
+    p.add_argument("--lr", type=float, default=d.lr, help="Learning rate (default: the trainer's).")  # fmt: skip
     p.add_argument("--temperature", type=float, default=d.temperature, help="Sampling temperature.")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores).")  # fmt: skip
-    p.add_argument("--no-progress", action="store_true", help="Plain log lines instead of bars.")
+    p.add_argument("--no-progress", action="store_true", help="Plain lines (one per new version) instead of bars; the default without a terminal.")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="Keep earlier stores and adapters.")
     p.add_argument("--seed", type=int, default=d.seed)
     return p
@@ -469,7 +483,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         lr=args.lr,
         batch=args.batch,
         num_threads=args.threads,
-        progress=not args.no_progress,
+        progress=False if args.no_progress else None,
         fresh=not args.keep,
         seed=args.seed,
     )

@@ -3,7 +3,8 @@
 A workload pairs a task generator with a simulator holding the ground truth:
 
 - `SupportWorkload`: one chat completion routes a ticket; the simulated
-  operator resolves it (reward 1.0) or escalates it (0.0): a `Resolution`.
+  operator resolves it (reward 1.0) or escalates it (0.0) and reroutes it to
+  the right team (its `correct_answer`): a `Resolution`.
 - `ToolUseWorkload`: a multi-turn tool loop (`calculator`, `final_answer`,
   `tool_choice="required"`); the checker rewards 1.0 only for the right
   final number: one `Reward` event judging every completion of the episode,
@@ -161,15 +162,17 @@ class SupportWorkload:
     def feedback(
         self, agent: str, task: support.Ticket, episode: Episode, *, event_id: str
     ) -> list[Event]:
-        outcome = "resolved" if episode.reward > 0 else "escalated"
+        right = episode.reward > 0
         return [
             Resolution(
                 event_id=event_id,
                 agent=agent,
                 completion_id=episode.completion_ids[-1],
                 source="simulated-operator",
-                outcome=outcome,
+                outcome="resolved" if right else "escalated",
                 resolution_text=f"ticket {task.id} belongs to {task.team}",
+                # The queue the operator rerouted a misrouted ticket to: the right answer.
+                correct_answer=None if right else task.team,
             )
         ]
 
