@@ -183,12 +183,24 @@ def test_the_console_in_a_browser(
     assert page.locator("#trajectories-table script, #trajectories-table img").count() == 0
     assert page.evaluate("window.__pwned") is None
 
-    # Roll back to v3 through the page: the confirmation names what changes.
-    page.get_by_role("button", name="Roll back to version 3").click()
+    # Every form control has a label.
+    unlabelled = page.evaluate(
+        "[...document.querySelectorAll('input, select')].filter(e => !e.labels.length)"
+        ".map(e => e.id)"
+    )
+    assert unlabelled == []
+
+    # Roll back to v3 through the page, by keyboard: the confirmation names what changes,
+    # and its focus starts on Cancel.
+    page.get_by_role("button", name="Roll back to version 3").focus()
+    page.keyboard.press("Enter")
     confirm = page.locator("#confirm-text").inner_text()
     assert f"serve version 3 instead of version {last}" in confirm
     assert "v4, v5 will be marked rolled back" in confirm
-    page.locator("#confirm-ok").click()
+    assert page.evaluate("document.activeElement.id") == "confirm-cancel"
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "confirm-ok"
+    page.keyboard.press("Enter")
     page.wait_for_selector("#serving-version:text('v3')")
     listed_adapters = httpx.get(
         f"{gateway.url}/v1/adapters", headers={"Authorization": f"Bearer {ADMIN}"}

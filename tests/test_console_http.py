@@ -10,6 +10,8 @@ and searches 1,000 agents quickly. The console's routes are in `/openapi.json`.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 from conftest import GatewayServer, serve_app
 
 from clora_feedback.config import Settings
+from clora_feedback.gateway.console import live
 from clora_feedback.gateway.console.sessions import COOKIE_NAME, SessionStore
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.service import Service, build_service
@@ -242,3 +245,65 @@ def test_the_console_routes_are_documented(keyed: tuple[Service, GatewayServer])
     assert set(paths["/console/api/login"]["post"]["responses"]) >= {"200", "401", "403"}
     assert "409" in paths["/console/api/agents/{agent}/rollback"]["post"]["responses"]
     assert "/console/api/events" in paths and "/console" in paths
+
+
+def _events(http: httpx.Client, **headers: str) -> list[tuple[str, str, str]]:
+    """(id, event, data) of every event of one response of the live feed (it ends by itself)."""
+    out: list[tuple[str, str, str]] = []
+    fields: dict[str, str] = {}
+    with http.stream("GET", "/console/api/events", headers=headers) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line:
+                if "event" in fields:
+                    out.append((fields.get("id", ""), fields["event"], fields.get("data", "")))
+                fields = {}
+                continue
+            name, _, value = line.partition(": ")
+            fields[name] = value
+    return out
+
+
+def test_the_live_feed_pushes_changes_and_resumes(
+    keyed: tuple[Service, GatewayServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(live, "STREAM_S", 2.0)  # each response ends by itself, sooner
+    service, gateway = keyed
+    with gateway.http() as http:
+        assert http.get("/console/api/events").status_code == 401
+        _login(http)
+        first = _events(http)
+        assert first[0][1] == "ready" and json.loads(first[0][2]) == {"resumed": False}
+        last_id = first[-1][0]
+        resumed = _events(http, **{"Last-Event-ID": last_id})
+        assert json.loads(resumed[0][2]) == {"resumed": True}  # nothing changed meanwhile
+
+        def publish_soon() -> None:
+            time.sleep(0.5)
+            active = service.registry.agent("support").active_version
+            service.registry.publish(
+                "support",
+                random_lora_weights(
+                    service.engine.lora_limits, rank=2, seed=99, target_modules=("q_proj",)
+                ),
+                optimizer_state=None,
+                base_model="tiny-base",
+                parent=active,
+                step=99,
+                metrics={"loss": 0.1},
+                feedback_window=None,
+            )
+
+        publisher = threading.Thread(target=publish_soon)
+        publisher.start()
+        pushed = _events(http, **{"Last-Event-ID": last_id})
+        publisher.join()
+        changed = [json.loads(data) for _, event, data in pushed if event == "agents"]
+        assert changed and changed[0]["changed"][0]["agent"] == "support"
+        assert (
+            changed[0]["changed"][0]["num_versions"]
+            == service.registry.agent("support").num_versions
+        )
+        again = _events(http, **{"Last-Event-ID": last_id})
+        assert json.loads(again[0][2]) == {"resumed": False}  # the page must reread

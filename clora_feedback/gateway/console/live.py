@@ -2,18 +2,25 @@
 
 `ChangeFeed.stream()` yields SSE text for one listening page:
 
-    retry: 3000              reconnect after 3 s (EventSource does it by itself)
-    event: ready             once per connection: the page reloads what it shows
+    retry: 3000              reconnect after 3 s if the connection drops
+    id: <snapshot id>        on every event: what the page was last told about
+    event: ready             once per connection, {"resumed": bool}: false means
+                             something changed since the `Last-Event-ID` the
+                             browser sent back (or `?last_event_id=`), and the page rereads its data
     event: agents            {"changed": [agent rows]}: a publish, a pointer move, a pin
     event: feedback          {"joined": n, "parked": n, "dead": n}: totals moved
-    : ping                   every `PING_S` seconds of quiet, so proxies keep it open
+
+Each response ends after `STREAM_S` seconds with `retry: 250`, and the
+browser's `EventSource` reconnects at once with the last id: a stream never
+holds the server's shutdown for longer than that (uvicorn waits for open
+responses before it stops, and tells the app nothing), and a resumed
+connection costs one shared snapshot read, not a reload of the page.
 
 Changes are found by polling, every `console.poll_interval_s`, one snapshot
-shared by every connection (`_Snapshots`): the registry's agent listing and
-the feedback store's event counts. Polling keeps it correct with pointer moves
-made by other processes (trainers, other gateways on one PostgreSQL database)
-without a notification channel of its own. A reconnecting page gets `ready`
-and rereads its data, so nothing that changed while it was away is missed.
+shared by every connection: the registry's agent listing and the feedback
+store's event counts. Polling keeps it correct with pointer moves made by other
+processes (trainers, other gateways on one PostgreSQL database) without a
+notification channel of its own.
 
 Not here: what the pages read (`views`), the route and its login (`routes`).
 """
@@ -21,6 +28,7 @@ Not here: what the pages read (`views`), the route and its login (`routes`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,14 +37,23 @@ from typing import Any
 from clora_feedback.gateway.console.views import FeedbackReader
 from clora_feedback.store.versions import AdapterStore, AgentInfo
 
-PING_S = 15.0
 RETRY_MS = 3000
+STREAM_S = 5.0
+"""Longest one response lasts; the browser reconnects at once and resumes."""
 
 _Snapshot = tuple[dict[str, tuple[Any, ...]], dict[str, int]]
 
 
-def _event(name: str, payload: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def _event(name: str, payload: dict[str, Any], event_id: str) -> str:
+    data = json.dumps(payload, separators=(",", ":"))
+    return f"id: {event_id}\nevent: {name}\ndata: {data}\n\n"
+
+
+def snapshot_id(snapshot: _Snapshot) -> str:
+    """A short digest of what a snapshot says (the SSE event id a page resumes from)."""
+    keys, counts = snapshot
+    text = json.dumps([sorted(keys.items()), sorted(counts.items())], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _agent_key(info: AgentInfo) -> tuple[Any, ...]:
@@ -96,25 +113,29 @@ class ChangeFeed:
                 self._taken_at = self._clock()
             return self._last
 
-    async def stream(self) -> AsyncIterator[str]:
-        """SSE text for one connection, until the client leaves (the response cancels it)."""
+    async def stream(self, last_event_id: str | None = None) -> AsyncIterator[str]:
+        """SSE text for one connection: `STREAM_S` seconds, or until the client leaves.
+
+        Args:
+            last_event_id: the browser's `Last-Event-ID` (a reconnect): `ready` says
+                whether anything changed since.
+        """
         yield f"retry: {RETRY_MS}\n\n"
-        (keys, counts), _ = await self.snapshot()
-        yield _event("ready", {"feedback": counts})
-        quiet_since = self._clock()
-        while True:
-            await asyncio.sleep(self.interval_s)
-            (new_keys, new_counts), agents = await self.snapshot()
+        snapshot, _ = await self.snapshot()
+        keys, counts = snapshot
+        current = snapshot_id(snapshot)
+        yield _event("ready", {"resumed": last_event_id == current}, current)
+        started = self._clock()
+        while self._clock() - started < STREAM_S:
+            await asyncio.sleep(min(self.interval_s, STREAM_S))
+            snapshot, agents = await self.snapshot()
+            new_keys, new_counts = snapshot
+            current = snapshot_id(snapshot)
             changed = [_agent_json(agents[n]) for n, k in new_keys.items() if keys.get(n) != k]
             if changed:
-                yield _event("agents", {"changed": changed})
+                yield _event("agents", {"changed": changed}, current)
             if new_counts != counts:
-                yield _event(
-                    "feedback", {k: new_counts.get(k, 0) for k in ("joined", "parked", "dead")}
-                )
-            if changed or new_counts != counts:
-                quiet_since = self._clock()
-            elif self._clock() - quiet_since >= PING_S:
-                yield ": ping\n\n"
-                quiet_since = self._clock()
+                totals = {k: new_counts.get(k, 0) for k in ("joined", "parked", "dead")}
+                yield _event("feedback", totals, current)
             keys, counts = new_keys, new_counts
+        yield "retry: 250\n\n"  # a planned end: come back at once, with the last id

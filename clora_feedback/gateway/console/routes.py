@@ -218,7 +218,8 @@ def build_console_router(
         return await set_pinned(registry, agent, False)
 
     @router.get("/api/events", dependencies=[Depends(current)])
-    async def events() -> SSEResponse:
-        return SSEResponse(feed.stream())
+    async def events(request: Request, last_event_id: str | None = None) -> SSEResponse:
+        resume = request.headers.get("last-event-id") or last_event_id
+        return SSEResponse(feed.stream(resume))
 
     return router

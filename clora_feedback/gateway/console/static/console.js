@@ -8,7 +8,7 @@ const PAGE_SIZE = 25;
 const state = {
   csrf: null, open: false, showText: false, view: null, agent: null,
   query: { q: "", sort: "name", order: "asc", offset: 0 },
-  seq: 0, source: null, reloadTimer: null, connectedOnce: false,
+  seq: 0, source: null, reloadTimer: null, connectedOnce: false, lastId: null,
 };
 
 const $ = (id) => document.getElementById(id);
@@ -471,27 +471,39 @@ function stopLive() {
 
 function startLive() {
   stopLive();
-  const source = new EventSource(`${API}/events`);
+  const resume = state.lastId ? `?last_event_id=${encodeURIComponent(state.lastId)}` : "";
+  const source = new EventSource(`${API}/events${resume}`);
   state.source = source;
-  source.addEventListener("ready", () => {
+  let failures = 0;
+  const seen = (e) => { if (e.lastEventId) state.lastId = e.lastEventId; };
+  source.addEventListener("ready", (e) => {
+    seen(e);
+    failures = 0;
     liveStatus("live", true);
-    if (state.connectedOnce) reloadSoon(); // a reconnect: reread what changed meanwhile
+    // A reconnect after changes: reread what the page shows (nothing changed: keep it).
+    if (state.connectedOnce && !JSON.parse(e.data).resumed) reloadSoon();
     state.connectedOnce = true;
   });
   source.addEventListener("agents", (e) => {
+    seen(e);
     const changed = JSON.parse(e.data).changed.map((a) => a.agent);
     if (state.view === "agents-view" || changed.includes(state.agent)) reloadSoon();
   });
-  source.addEventListener("feedback", () => reloadSoon());
+  source.addEventListener("feedback", (e) => { seen(e); reloadSoon(); });
   source.onerror = () => {
+    // Each response ends after a few seconds and EventSource reconnects at once: one
+    // error is routine. A second in a row means the server is away: back off, retry.
+    failures += 1;
+    if (source.readyState !== EventSource.CLOSED && failures < 2) return;
     liveStatus("reconnecting…", false);
-    if (source.readyState === EventSource.CLOSED) {
-      // Refused (e.g. the session expired): EventSource stops; check, then start again.
-      setTimeout(async () => {
-        if (state.source !== source) return;
-        try { await api("GET", "/session"); startLive(); } catch (err) { failed(err); }
-      }, 3000);
-    }
+    source.close();
+    setTimeout(async () => {
+      if (state.source !== source) return;
+      try { await api("GET", "/session"); startLive(); } catch (err) {
+        if (err instanceof ApiError && err.status === 401) failed(err);
+        else { state.source = null; setTimeout(() => { if (state.csrf) startLive(); }, 3000); }
+      }
+    }, 3000);
   };
 }
 
