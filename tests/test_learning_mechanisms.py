@@ -360,3 +360,21 @@ def test_a_fresh_embedded_sample_has_ratio_one_at_temperature_and_top_p(
 def test_reward_policy_config_needs_every_verdict() -> None:
     with pytest.raises(ValidationError, match="verdict_rewards lacks"):
         RewardPolicyConfig(verdict_rewards={"accepted": 1.0})
+
+
+def test_a_pair_reuses_the_rows_of_its_two_sides(engine: EmbeddedEngine) -> None:
+    from clora_feedback.train.step import PGSample, _rows
+
+    policy = DecoderPolicy.shared_with(engine)
+    layout = LoRALayout.build(policy.lora_limits, 4, 8.0, tuple(policy.lora_limits.target_modules))
+    state = AgentTrainState.create("a", layout, init_lora(layout, seed=0))
+    prompt, wrong, right = [1, 2, 3], [7, 8], [9, 2]
+    batch = AgentBatch(
+        state,
+        pg=[PGSample("c", prompt, wrong, [-1.0, -1.0], 0.0)],
+        sft=[SFTSample(prompt, right)],
+        pairs=[PreferencePair(prompt, right, wrong)],
+    )
+    seqs, owner, [rows] = _rows([batch])
+    assert seqs == [(prompt, wrong), (prompt, right)] and owner == [0, 0]
+    assert rows.pg == [0] and rows.sft == [1] and rows.pairs == [(1, 0)]

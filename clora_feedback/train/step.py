@@ -4,8 +4,8 @@
 
 1. swap each agent's state (params, Adam moments) from host memory into a slot;
 2. one forward/backward over every agent's rows together (policy-gradient
-   rows on engine token ids, supervised rows on right answers, and both sides
-   of each preference pair), each agent's loss normalised over its own rows
+   rows on engine token ids, supervised rows on right answers; a preference
+   pair reuses the two rows of its sides), each agent's loss normalised over its own rows
    only, so its gradient is exactly what training it alone would give; the
    base model (adapter disabled) scores the pairs, and every row for the KL
    term, in one extra pass without gradients;
@@ -95,10 +95,6 @@ class AgentBatch:
     sft: list[SFTSample] = field(default_factory=list)
     pairs: list[PreferencePair] = field(default_factory=list)
 
-    @property
-    def rows(self) -> int:
-        return len(self.pg) + len(self.sft) + 2 * len(self.pairs)
-
 
 @dataclass(frozen=True)
 class StepResult:
@@ -130,20 +126,60 @@ class StepResult:
         return {k: float(v) for k, v in self.__dict__.items() if k != "agent"}
 
 
-def _rows(batches: list[AgentBatch]) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
-    """All rows of the pass, (prompt, scored ids), and the agent index of each row.
+@dataclass(frozen=True)
+class _AgentRows:
+    """Where one agent's samples sit among the pass's rows (indices into them).
 
-    Per agent: its policy-gradient rows, its supervised rows, then each pair's
-    chosen and rejected rows."""
-    seqs: list[tuple[list[int], list[int]]] = []
-    owner: list[int] = []
+    A row is one distinct (prompt, scored ids) pair of the agent: a wrong output's
+    policy-gradient row is also the rejected side of its pairs, and a right
+    answer's supervised row their chosen side, so a pair adds no row of its own."""
+
+    pg: list[int]
+    sft: list[int]
+    pairs: list[tuple[int, int]]  # (chosen, rejected)
+    first: int
+    end: int
+
+
+class _RowTable:
+    """The pass's distinct rows (prompt, scored ids) and the agent of each; an agent's
+    rows are consecutive, and a row repeated within one agent is stored once."""
+
+    def __init__(self) -> None:
+        self.seqs: list[tuple[list[int], list[int]]] = []
+        self.owner: list[int] = []
+        self._index: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+
+    def begin(self, agent: int) -> int:
+        self._index, self._agent = {}, agent
+        return len(self.seqs)
+
+    def row(self, prompt: list[int], ids: list[int]) -> int:
+        key = (tuple(prompt), tuple(ids))
+        if key not in self._index:
+            self._index[key] = len(self.seqs)
+            self.seqs.append((prompt, ids))
+            self.owner.append(self._agent)
+        return self._index[key]
+
+
+def _rows(
+    batches: list[AgentBatch],
+) -> tuple[list[tuple[list[int], list[int]]], list[int], list[_AgentRows]]:
+    """The pass's distinct rows, the agent index of each row, and where each agent's
+    samples sit among them."""
+    table = _RowTable()
+    layouts: list[_AgentRows] = []
     for i, batch in enumerate(batches):
-        seqs += [(s.prompt_ids, s.completion_ids) for s in batch.pg]
-        seqs += [(t.prompt_ids, t.target_ids) for t in batch.sft]
-        for p in batch.pairs:
-            seqs += [(p.prompt_ids, p.chosen_ids), (p.prompt_ids, p.rejected_ids)]
-        owner += [i] * batch.rows
-    return seqs, owner
+        first = table.begin(i)
+        pg = [table.row(s.prompt_ids, s.completion_ids) for s in batch.pg]
+        sft = [table.row(t.prompt_ids, t.target_ids) for t in batch.sft]
+        pairs = [
+            (table.row(p.prompt_ids, p.chosen_ids), table.row(p.prompt_ids, p.rejected_ids))
+            for p in batch.pairs
+        ]
+        layouts.append(_AgentRows(pg, sft, pairs, first, len(table.seqs)))
+    return table.seqs, table.owner, layouts
 
 
 def _reference_rows(
@@ -175,7 +211,7 @@ def train_step(
         raise ValueError(f"{len(batches)} agents but only {len(slots)} training slots")
     t0 = time.perf_counter()
     leaves = [slot.swap_in(b.state) for slot, b in zip(slots, batches, strict=False)]
-    seqs, owner = _rows(batches)
+    seqs, owner, layouts = _rows(batches)
     packed = PackedBatch.build(seqs)
     lora = TrainLoRA(
         [b.state.layout for b in batches], leaves, torch.tensor(owner, device=model.device)
@@ -183,22 +219,20 @@ def train_step(
     logp = model.token_logprobs(packed, lora)
     counts = packed.mask.sum(dim=1).tolist()
     per_row = list(torch.split(logp, counts))
-    wanted: list[bool] = []
-    for batch in batches:  # the reference scores every row for KL, else only the pairs
-        kl = loss_cfg.kl_coef > 0
-        wanted += [kl] * len(batch.pg) + [False] * len(batch.sft) + [True] * 2 * len(batch.pairs)
+    wanted = [False] * len(seqs)  # the reference scores the pairs, and the PG rows for KL
+    for rows in layouts:
+        for i in [r for pair in rows.pairs for r in pair] + (rows.pg if loss_cfg.kl_coef else []):
+            wanted[i] = True
     ref = _reference_rows(model, seqs, counts, wanted)
 
     total = logp.new_zeros(())
     stats: list[dict[str, float]] = []
-    row = 0
-    for batch in batches:
-        loss_i, s = _agent_loss(batch, per_row, ref, row, loss_cfg, logp.new_zeros(()))
+    for batch, rows in zip(batches, layouts, strict=True):
+        loss_i, s = _agent_loss(batch, rows, per_row, ref, loss_cfg, logp.new_zeros(()))
         s["loss"] = float(loss_i.item())
-        s["tokens"] = float(sum(counts[row : row + batch.rows]))
+        s["tokens"] = float(sum(counts[rows.first : rows.end]))
         total = total + loss_i
         stats.append(s)
-        row += batch.rows
     if total.requires_grad:
         total.backward()
 
@@ -245,14 +279,13 @@ def train_step(
 
 def _agent_loss(
     batch: AgentBatch,
+    rows: _AgentRows,
     per_row: list[torch.Tensor],
     ref: dict[int, torch.Tensor],
-    row: int,
     cfg: LossConfig,
     zero: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One agent's loss over its rows, which start at `row` (see `_rows` for their order)."""
-    n_pg, n_sft, n_pairs = len(batch.pg), len(batch.sft), len(batch.pairs)
+    """One agent's loss over its rows (`rows` says which of the pass's rows are whose)."""
     s: dict[str, float] = {
         "pg_loss": 0.0,
         "sft_loss": 0.0,
@@ -263,14 +296,14 @@ def _agent_loss(
         "pref_ordered": float("nan"),
     }
     loss = zero
-    if n_pg:
+    if batch.pg:
         adv, batch.state.baseline = advantages(
             [p.reward for p in batch.pg],
             [p.group for p in batch.pg],
             batch.state.baseline,
             cfg.baseline_momentum,
         )
-        lp = torch.cat(per_row[row : row + n_pg])
+        lp = torch.cat([per_row[i] for i in rows.pg])
         behaviour = torch.tensor(
             [x for p in batch.pg for x in p.behaviour_logprobs], device=lp.device
         )
@@ -282,22 +315,26 @@ def _agent_loss(
         loss = loss + pg
         s.update(extra, pg_loss=float(pg.item()))
         if cfg.kl_coef > 0:
-            kl = kl_to_reference(lp, torch.cat([ref[i] for i in range(row, row + n_pg)]))
+            kl = kl_to_reference(lp, torch.cat([ref[i] for i in rows.pg]))
             loss = loss + cfg.kl_coef * kl
             s["kl"] = float(kl.item())
-    if n_sft:
-        sl = sft_loss(per_row[row + n_pg : row + n_pg + n_sft])
+    if batch.sft:
+        sl = sft_loss([per_row[i] for i in rows.sft])
         loss = loss + cfg.sft_weight * sl
         s["sft_loss"] = float(sl.item())
-    if n_pairs and cfg.preference_weight > 0:
-        first = row + n_pg + n_sft
-        sums = [per_row[i].sum() for i in range(first, first + 2 * n_pairs)]
-        ref_sums = [ref[i].sum() for i in range(first, first + 2 * n_pairs)]
+    if rows.pairs and cfg.preference_weight > 0:
+        chosen, rejected = zip(*rows.pairs, strict=True)
+
+        def sums(
+            source: dict[int, torch.Tensor] | list[torch.Tensor], idx: tuple[int, ...]
+        ) -> torch.Tensor:
+            return torch.stack([source[i].sum() for i in idx])
+
         pl, extra = preference_loss(
-            torch.stack(sums[0::2]),
-            torch.stack(sums[1::2]),
-            torch.stack(ref_sums[0::2]),
-            torch.stack(ref_sums[1::2]),
+            sums(per_row, chosen),
+            sums(per_row, rejected),
+            sums(ref, chosen),
+            sums(ref, rejected),
             cfg.preference_beta,
         )
         loss = loss + cfg.preference_weight * pl
