@@ -45,6 +45,7 @@ import json
 import logging
 import random
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +69,7 @@ from clora_feedback.bench.learning_tasks import (
 from clora_feedback.bench.report import format_facts, machine_facts
 from clora_feedback.config import Settings, TrainerConfig
 from clora_feedback.demo.experiment import ExperimentConfig, service_settings
+from clora_feedback.demo.heap import release_freed_memory
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import Episode, Sampling
 from clora_feedback.schemas.feedback import Correction, Event, Resolution, Reward
@@ -461,6 +463,7 @@ def run_task(model_dir: Path, work_dir: Path, family: Family, cfg: LearningConfi
         held_out_pairs=len(set(p.pair for p in family.prompts(cfg.seed, "eval", cfg.held_out))),
         held_out=cfg.held_out,
     )
+    release_freed_memory()  # else each step's activations stay resident: GBs per task
     t0 = time.monotonic()
     service = build_service(learning_settings(model_dir, work_dir, cfg))
     with LocalServer(service) as server:
@@ -528,6 +531,24 @@ def cpu_facts() -> dict[str, str]:
     if torch is not None:
         facts["cpu capability (torch)"] = str(torch.backends.cpu.get_cpu_capability())
     return facts
+
+
+def code_version() -> str:
+    """The checkout's commit, and how many package files differ from it (figures move with
+    uncommitted trainer changes); `-` outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+            check=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "clora_feedback"], cwd=root,
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.splitlines()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+    return f"{head} + {len(dirty)} uncommitted package files" if dirty else head
 
 
 def plot(path: Path, runs: Sequence[TaskRun]) -> Path:
@@ -623,6 +644,7 @@ def run(argv: Sequence[str]) -> int:
     facts = cpu_facts()
     facts["load average at start"] = load_before
     facts["model"] = str(args.model or DEFAULT_MODEL)
+    facts["code"] = code_version()
     write(args.out, cfg, runs, facts)
     return 0
 
