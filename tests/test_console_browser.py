@@ -237,6 +237,7 @@ def test_the_console_in_a_browser(
     # Phone width: the page reflows; wide tables scroll inside their own box.
     page.set_viewport_size({"width": 390, "height": 844})
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.screenshot(path=str(shots / "console-phone.png"))
 
     # Logout: back to the login form, and the session is gone on the server.
     page.get_by_role("button", name="Log out").click()
