@@ -378,3 +378,22 @@ def test_a_pair_reuses_the_rows_of_its_two_sides(engine: EmbeddedEngine) -> None
     seqs, owner, [rows] = _rows([batch])
     assert seqs == [(prompt, wrong), (prompt, right)] and owner == [0, 0]
     assert rows.pg == [0] and rows.sft == [1] and rows.pairs == [(1, 0)]
+
+
+def test_the_quickstart_shows_the_trainer_defaults() -> None:
+    """Every trainer value the quickstart's config file sets is the default itself."""
+    import re
+
+    import yaml
+
+    text = (Path(__file__).parents[1] / "docs" / "quickstart.md").read_text()
+    block = re.search(r"cat > clora.yaml <<'EOF'\n(.*?)\nEOF", text, re.S)
+    assert block is not None
+    trainer = yaml.safe_load(block.group(1))["trainer"]
+    defaults = TrainerConfig()
+    for key, value in trainer.items():
+        if isinstance(value, dict):
+            section = getattr(defaults, key)
+            assert {k: getattr(section, k) for k in value} == value, key
+        else:
+            assert getattr(defaults, key) == value, key
