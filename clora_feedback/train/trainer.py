@@ -8,9 +8,15 @@ Each round (`run_round`), per agent in fair rotation:
    a restart resumes without losing or repeating samples);
 2. admit a mini-batch early (see `admission`) or, after `trigger_interval_s`
    with anything waiting, whatever is there;
-3. swap the agent's state in, step, swap out (see `step`); with
+3. build the agent's rows (`_agent_batch`): a policy-gradient row per sample
+   with raw behaviour logprobs; a supervised row per right answer feedback gave
+   and per confirmed output the agent was not yet sure of; a preference pair
+   per wrong output and its right answer; a few labelled examples of earlier
+   steps (`replay`). A batch with nothing to teach (only settled confirmed
+   outputs, rewards at the agent's running mean) is consumed without a step;
+4. swap the agent's state in, step, swap out (see `step`); with
    `batched_agents > 1`, up to that many ready agents share one pass;
-4. publish: the new weights go to the deployer first (`PublishHandoff`),
+5. publish: the new weights go to the deployer first (`PublishHandoff`),
    straight from memory, under a version number the registry reserved (staged
    into the engine's spare slot off the decode loop, served from the next
    decode step); then the registry writes the immutable version (PEFT files,
@@ -420,7 +426,6 @@ class ContinualTrainer(BackgroundTask):
         runs, batches, kept = [], [], []
         for agent, admitted in group:
             run = self._run_for(agent)
-            batch = self._agent_batch(run, admitted)
             if not self._teaches(run, admitted):
                 # Every sample was already settled: a step would only sharpen what the
                 # agent answers anyway (and Adam turns even a tiny gradient into a full-size
@@ -430,7 +435,7 @@ class ContinualTrainer(BackgroundTask):
                 log.info("agent %s: %d settled samples, nothing to learn", agent, len(admitted))
                 continue
             runs.append(run)
-            batches.append(batch)
+            batches.append(self._agent_batch(run, admitted))
             kept.append((agent, admitted))
         if not batches:
             return []
