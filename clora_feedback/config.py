@@ -549,6 +549,36 @@ class ServerConfig(BaseModel):
     )
 
 
+class RetentionConfig(BaseModel):
+    """What `clora serve` keeps, pruned in the background (`store.retention`) and by
+    `clora adapters prune`."""
+
+    enabled: bool = Field(True, description="Run retention in the background inside `clora serve`.")
+    keep_last: int = Field(
+        20,
+        ge=1,
+        description="Adapter versions per agent whose payload (PEFT files, optimizer state) is "
+        "kept, newest first; the active (serving) version is always kept besides. Older "
+        "versions keep their manifest and registry row, marked pruned; a rollback to one is "
+        "refused (410).",
+    )
+    interval_s: float = Field(
+        300.0, gt=0, description="Seconds between background retention passes."
+    )
+    trajectory_ttl_s: float | None = Field(
+        None,
+        gt=0,
+        description="Delete trajectories older than this (seconds since capture); None keeps "
+        "them. Feedback that names a deleted completion parks, then dies after "
+        "`feedback.park_ttl_s`; a deleted completion never becomes a training sample.",
+    )
+    probe: bool = Field(
+        True,
+        description="Run the no-op probe on each newly served adapter version (a few greedy "
+        "tokens on fixed prompts, compared with the base model's; flags `noop`).",
+    )
+
+
 class ConsoleConfig(BaseModel):
     """The operator console at `/console` (`gateway.console`)."""
 
@@ -623,6 +653,10 @@ class Settings(BaseSettings):
     )
     console: ConsoleConfig = Field(
         default_factory=ConsoleConfig, description="The operator console at `/console`."
+    )
+    retention: RetentionConfig = Field(
+        default_factory=RetentionConfig,
+        description="Adapter payload pruning (`keep_last`), trajectory TTL, the no-op probe.",
     )
 
     @field_validator("agents")

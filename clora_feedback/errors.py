@@ -13,8 +13,12 @@ carries its behaviour as attributes, so callers never match on message text:
     ├── PermissionDeniedError       403  the key may not touch this agent or route
     ├── NotFoundError               404  unknown agent, model, adapter or completion
     ├── ConflictError               409  state conflict (e.g. adapter already loaded)
+    ├── GoneError                   410  it existed, its payload was removed (a pruned
+    │                                    adapter version: manifest kept, weights gone)
     ├── OverloadedError             429  the request queue is full (retriable)
     ├── AdapterError                400  an adapter is malformed or exceeds engine limits
+    │   └── BaseMismatchError       400  an adapter made for another base model (weights,
+    │                                    tokenizer or chat template digests differ)
     ├── EngineError                 500  the engine failed while generating
     ├── StoreError                  500  durable storage failed (retriable)
     │   └── IntegrityError          500  stored content is corrupt (not retriable)
@@ -87,6 +91,11 @@ class ConflictError(CloraError):
     error_type = "conflict_error"
 
 
+class GoneError(CloraError):
+    http_status = 410
+    error_type = "not_found_error"
+
+
 class OverloadedError(CloraError):
     http_status = 429
     error_type = "rate_limit_error"
@@ -101,6 +110,14 @@ class OverloadedError(CloraError):
 class AdapterError(CloraError):
     http_status = 400
     error_type = "invalid_request_error"
+
+
+class BaseMismatchError(AdapterError):
+    """An adapter recorded for another base model; `differs` names what (e.g. `tokenizer`)."""
+
+    def __init__(self, message: str, *, differs: tuple[str, ...], param: str | None = None):
+        super().__init__(message, param=param, code="base_mismatch")
+        self.differs = differs
 
 
 class EngineError(CloraError):

@@ -19,6 +19,12 @@ serve each agent's active registry version, so training survives restarts and
 an unloaded adapter stays unloaded. Publish, rollback (operator or guard) and
 load/unload only move the pointer, through the deployer.
 
+Provenance and retention: the base model's identity (`store.provenance`) is
+computed once here and handed to the registry, which records it in every
+version and checks it on every load; the no-op probe (`engine.probe`) hears of
+each newly served version from the deployer; `Retention` prunes old adapter
+payloads and expires trajectories in the background.
+
 Several processes: the trainer takes trainer leases in the registry's database
 (one trainer per agent; `clora train` runs more of them, see `cli.train`), and on
 PostgreSQL the deployer also LISTENs for pointer moves made by other processes.
@@ -43,6 +49,7 @@ from clora_feedback.engine.base import Engine
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine, resolve_device
 from clora_feedback.engine.factory import build_engine
+from clora_feedback.engine.probe import NoopProbe
 from clora_feedback.errors import ConflictError
 from clora_feedback.feedback.ingest import FeedbackIngest
 from clora_feedback.feedback.pipeline import FeedbackPipeline
@@ -58,7 +65,9 @@ from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.models.resolve import resolve_model_dir
 from clora_feedback.store.db import is_postgres_url
 from clora_feedback.store.lease import TrainerLeases
+from clora_feedback.store.provenance import base_identity
 from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.retention import Retention
 from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryStore
 from clora_feedback.train.guard import RegressionGuard
 from clora_feedback.train.policy import DecoderPolicy, PolicyModel
@@ -208,19 +217,25 @@ def build_service(settings: Settings) -> Service:
         trajectories=TrajectoryStore(settings.trajectory_db_url),
         policy=policy,
     )
-    registry = AdapterRegistry(settings.adapters_dir, settings.registry_db_url)
+    # Computed once: every version published here records it, every load checks it.
+    identity = base_identity(model_dir, name)
+    registry = AdapterRegistry(
+        settings.adapters_dir, settings.registry_db_url, base_identity=identity
+    )
     for agent in settings.agents:  # initial adapters become version 1, once
         if agent.adapter_path is not None:
             _register_initial(registry, agent.name, agent.adapter_path, name, engine.lora_limits)
     serving = settings.model_copy(
         update={"agents": [a.model_copy(update={"adapter_path": None}) for a in settings.agents]}
     )
+    probe = NoopProbe(engine, registry) if settings.retention.probe else None
     deployer = Deployer(
         engine,
         registry,
         poll_interval_s=settings.engine.adapter_poll_interval_s,
         base_model=name,
         listen_url=pointer_listen_url(settings),
+        on_installed=None if probe is None else probe.schedule,
     )
     agents = AgentRegistry(engine, deployer)  # create_app starts the deployer first
 
@@ -240,6 +255,10 @@ def build_service(settings: Settings) -> Service:
         settings.feedback, feedback, agents.names, broker_dir=settings.data_dir / "kafka"
     )
     components.append(pipeline)
+    if probe is not None:
+        components.append(probe)
+    # Prunes old adapter payloads and (with a TTL) old trajectories, every interval.
+    components.append(Retention(registry, settings.retention, trajectories=feedback.trajectories))
     if trainer is not None:
         components.append(trainer)
     guard = None

@@ -77,6 +77,7 @@ async def _serve(settings: object, *, owner: str | None, guard: bool) -> None:
     from clora_feedback.models.resolve import resolve_model_dir
     from clora_feedback.service import build_policy
     from clora_feedback.store.lease import TrainerLeases
+    from clora_feedback.store.provenance import base_identity
     from clora_feedback.store.registry import AdapterRegistry
     from clora_feedback.store.trajectories import TrajectoryStore
     from clora_feedback.train.guard import RegressionGuard
@@ -88,7 +89,11 @@ async def _serve(settings: object, *, owner: str | None, guard: bool) -> None:
     rewards = DefaultRewardPolicy(settings.feedback)
     trajectories = TrajectoryStore(settings.trajectory_db_url)
     feedback = FeedbackStore(settings.trajectory_db_url, trajectories=trajectories, policy=rewards)
-    registry = AdapterRegistry(settings.adapters_dir, settings.registry_db_url)
+    registry = AdapterRegistry(  # versions record (and loads check) the base's digests
+        settings.adapters_dir,
+        settings.registry_db_url,
+        base_identity=base_identity(model_dir, name),
+    )
     known = {a.name for a in settings.agents}
 
     def trainable() -> list[str]:

@@ -30,6 +30,13 @@ that fails to load here is logged, the previous one keeps serving (`serving`
 says so), and it is not retried until the pointer moves again. The watcher never
 moves the pointer back: other engines may serve it.
 
+Every load is checked first (`AdapterRegistry.check_loadable` / `load`,
+`check_source` for a runtime load): a version whose payload retention pruned,
+or whose manifest records another base model (weights, tokenizer, chat
+template digests), is refused before the engine is touched, so the previous
+version keeps serving. Each newly served version is reported to `on_installed`
+(the no-op probe, `engine.probe`, runs there, off the serving path).
+
 One exception to "engine first": a runtime load (`adopt`) on an engine that reads
 adapters from a directory (vLLM) publishes first, so the engine is given the
 registry's immutable copy rather than the caller's directory, and moves the
@@ -100,6 +107,8 @@ class Deployer(BackgroundTask):
         on_stop: called by `stop` (e.g. to close a registry the deployer was given to own).
         listen_url: the registry's `postgresql://` URL to LISTEN on for pointer moves
             (None: polling only).
+        on_installed: called on the event loop with (agent, version) each time the engine
+            starts serving a version (e.g. `NoopProbe.schedule`); it must not block.
     """
 
     def __init__(
@@ -111,8 +120,10 @@ class Deployer(BackgroundTask):
         base_model: str | None = None,
         on_stop: Callable[[], None] | None = None,
         listen_url: str | None = None,
+        on_installed: Callable[[str, int], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._on_installed = on_installed
         self.registry = registry
         self.poll_interval_s = poll_interval_s
         self.base_model = base_model or engine.model_name
@@ -249,10 +260,12 @@ class Deployer(BackgroundTask):
 
         Raises:
             AdapterError: the adapter is missing, malformed or exceeds the engine's limits
-                (read and checked before anything changes).
+                (read and checked before anything changes); `BaseMismatchError` when its
+                manifest records another base model.
             ConflictError: the agent is pinned; the previous version keeps serving.
         """
         path = Path(path)
+        await asyncio.to_thread(self.registry.check_source, path)  # base digests or name hint
         weights = await asyncio.to_thread(load_peft_adapter, path, limits=self.engine.lora_limits)
         async with self._moving():
             active = await asyncio.to_thread(self._pointer, agent)
@@ -346,6 +359,9 @@ class Deployer(BackgroundTask):
             raise
         with self._engine_lock:
             self._handoffs.pop(agent, None)
+        if engine is not None and self._on_installed is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self._on_installed, agent, ref.version)
         if engine is None and self._loop is not None and not self._loop.is_closed():
             # An engine that loads from the registry's directory (vLLM): load the version
             # now rather than at the watcher's next poll, which adds up to poll_interval_s.
@@ -402,16 +418,20 @@ class Deployer(BackgroundTask):
         itself: no further registry read), and for an in-process engine its tensors, read
         with the registry's content-hash check."""
         weights = None
-        if self._in_memory is not None:
+        if self._in_memory is not None:  # `load` refuses a pruned or other-base version
             weights, _ = await asyncio.to_thread(
                 self.registry.load, info.agent, info.version, limits=self.engine.lora_limits
             )
+        else:  # the engine reads the directory: the same refusals, from the manifest
+            await asyncio.to_thread(self.registry.check_loadable, info.agent, info.version)
         return AdapterRef(info.agent, info.version, info.path, weights)
 
     async def _install(self, ref: AdapterRef) -> None:
         await self.engine.load_adapter(ref)
         self._serving[ref.agent] = ref.version
         self._failed.pop(ref.agent, None)
+        if self._on_installed is not None:
+            self._on_installed(ref.agent, ref.version)
 
     async def _then_move(self, agent: str, move: Callable[[], T]) -> T:
         """Step 2 of a move: the pointer; on failure, step 3: the engine back to the pointer."""

@@ -6,7 +6,8 @@
 - `AdapterAdminHandler`: vLLM's runtime adapter routes. Success is 200 with a
   plain-text message (as vLLM answers); failures are OpenAI error JSON (400
   already loaded / bad adapter, 404 unloading an unknown adapter).
-- `TrajectoryHandler`: read captured trajectories, scoped by API key.
+- `TrajectoryHandler`: read captured trajectories, scoped by API key; delete
+  them by agent or conversation (admin key).
 - `health`: engine statistics for `GET /health`.
 
 Not here: authentication (see `auth`), routing (see `routes`).
@@ -142,6 +143,21 @@ class TrajectoryHandler:
             records.sort(key=lambda r: r.created_at, reverse=True)
             records = records[:limit]
         return {"object": "list", "data": [trajectory_json(r) for r in records]}
+
+    async def delete(self, *, agent: str | None, conversation_id: str | None) -> dict[str, Any]:
+        """Delete by agent and/or conversation (admin); 400 when neither is given."""
+        if not agent and not conversation_id:
+            raise InvalidRequestError(
+                "name the trajectories to delete: agent, conversation_id or both", param="agent"
+            )
+        deleted = await self._store.delete(agent=agent or None,
+                                           conversation_id=conversation_id or None)  # fmt: skip
+        return {
+            "object": "trajectory.deleted",
+            "agent": agent or None,
+            "conversation_id": conversation_id or None,
+            "deleted": deleted,
+        }
 
 
 def health(engine: Engine, agents: AgentRegistry) -> dict[str, Any]:

@@ -47,6 +47,7 @@ ROUTE_STATUSES: Mapping[str, tuple[int, ...]] = {
     # Captured trajectories, scoped by key (another agent's is 404, as if missing).
     "GET /v1/trajectories": (400, 401, 403),
     "GET /v1/trajectories/{completion_id}": (401, 404),
+    "DELETE /v1/trajectories": (400, *_ADMIN),
     # Operations.
     "GET /health": (),
     "GET /metrics": _ADMIN,
@@ -54,7 +55,7 @@ ROUTE_STATUSES: Mapping[str, tuple[int, ...]] = {
     "GET /v1/adapters": _ADMIN,
     "GET /v1/adapters/{agent}/versions": (*_ADMIN, 404),
     "GET /v1/adapters/{agent}/versions/{version}": (400, *_ADMIN, 404),
-    "POST /v1/adapters/{agent}/rollback": (400, *_ADMIN, 404, 409),
+    "POST /v1/adapters/{agent}/rollback": (400, *_ADMIN, 404, 409, 410),
     "POST /v1/adapters/{agent}/pin": (*_ADMIN, 404),
     "POST /v1/adapters/{agent}/unpin": (*_ADMIN, 404),
     # The operator console (`gateway.console`): a session cookie, not a key; POSTs need the
@@ -67,7 +68,7 @@ ROUTE_STATUSES: Mapping[str, tuple[int, ...]] = {
     "GET /console/api/agents": (400, 401),
     "GET /console/api/agents/{agent}": (401, 404),
     "GET /console/api/agents/{agent}/trajectories": (400, 401, 404),
-    "POST /console/api/agents/{agent}/rollback": (400, 401, 403, 404, 409),
+    "POST /console/api/agents/{agent}/rollback": (400, 401, 403, 404, 409, 410),
     "POST /console/api/agents/{agent}/pin": (400, 401, 403, 404),
     "POST /console/api/agents/{agent}/unpin": (400, 401, 403, 404),
     "GET /console/api/events": (401,),
@@ -83,6 +84,7 @@ _DESCRIPTIONS = {
     403: "This API key may not use this route or touch this agent.",
     404: "Unknown (or, for this key, invisible) model, agent, version or completion.",
     409: "Conflicts with the current state (already active, pinned, raced another change).",
+    410: "The adapter version's payload was pruned by retention (its manifest is kept).",
     413: "The request body is larger than `server.max_body_bytes`.",
     422: "Well-formed, but none of it can apply.",
     429: "Overloaded or over a quota; retry after `Retry-After` seconds.",

@@ -14,6 +14,7 @@ errors propagate as `CloraError` and are mapped in `errors`. Routes:
     POST /v1/unload_lora_adapter     AdapterAdminHandler (admin)
     GET  /v1/trajectories            TrajectoryHandler (scoped by key)
     GET  /v1/trajectories/{id}       TrajectoryHandler (scoped by key)
+    DELETE /v1/trajectories          TrajectoryHandler (admin): by agent or conversation_id
     GET  /health                     engine statistics (no key needed)
     GET  /metrics                    Prometheus text (admin key, when keys are configured)
 """
@@ -186,6 +187,22 @@ async def list_trajectories(
 ) -> JSONResponse:
     handler = _state(request).trajectories
     return JSONResponse(await handler.list(principal, agent=agent, limit=limit, before=before))
+
+
+@router.delete("/v1/trajectories")
+async def delete_trajectories(
+    request: Request,
+    principal: AdminKey,
+    agent: str | None = None,
+    conversation_id: str | None = None,
+) -> JSONResponse:
+    """Delete an agent's or a conversation's trajectories (both given: their intersection).
+
+    A deleted completion is as if never captured: it never becomes a training sample,
+    and feedback naming it afterwards parks, then dies after `feedback.park_ttl_s`.
+    """
+    handler = _state(request).trajectories
+    return JSONResponse(await handler.delete(agent=agent, conversation_id=conversation_id))
 
 
 @router.get("/v1/trajectories/{completion_id}")

@@ -63,6 +63,20 @@ class AdapterVersionObject(BaseModel):
     has_optimizer_state: bool
     rolled_back_at: float | None = None
     rolled_back_reason: str | None = None
+    payload_pruned: bool = Field(
+        False,
+        description="Retention deleted its weights and optimizer state; the manifest and "
+        "this row stay, a rollback to it is refused (410).",
+    )
+    pruned_at: float | None = Field(None, description="When its payload was pruned.")
+    noop: bool | None = Field(
+        None,
+        description="The no-op probe found its greedy outputs on the probe prompts identical "
+        "to the base model's (None: not probed yet).",
+    )
+    probe: dict[str, Any] | None = Field(
+        None, description="The probe's result: noop, prompts, tokens, seconds, at."
+    )
     manifest: dict[str, Any] | None = Field(
         None, description="The version's manifest.json (only on the single-version route)."
     )

@@ -17,7 +17,8 @@ content hash is the sha256 of `<sha256>  <name>` lines (sorted by name, as
 
 `VersionDirs` owns the tree `<root>/<agent>/<version>/`: a version is written
 into `<agent>/.tmp-<uuid>/` and renamed into place (atomic, then the parent is
-fsynced); `collect` deletes what a crash left behind; `lock` is an exclusive
+fsynced); `collect` deletes what a crash left behind; `prune_payload` deletes a version's
+payload and keeps its manifest (retention); `lock` is an exclusive
 `flock` on `<root>/.lock` (released by the kernel when its holder dies) that
 writers and the collector share, so a collector never mistakes another
 process's just-renamed, not-yet-indexed version for a leftover; `.store-id`
@@ -265,6 +266,26 @@ class VersionDirs:
     def remove(self, agent: str, version: int) -> None:
         """Delete a placed version that could not be indexed."""
         shutil.rmtree(self.path(agent, version), ignore_errors=True)
+
+    def prune_payload(self, agent: str, version: int) -> bool:
+        """Delete a version's payload (PEFT files, optimizer state), keeping its manifest.
+
+        Idempotent: the registry marks the version pruned in its index first (the commit
+        point), so a crash part-way leaves a marked version whose remaining files the
+        next `prune_payload` (the sweep on open) removes; nothing reads a marked version.
+
+        Returns:
+            Whether any file was still there.
+        """
+        path = self.path(agent, version)
+        removed = False
+        for name in payload_names(True):
+            with contextlib.suppress(FileNotFoundError):
+                (path / name).unlink()
+                removed = True
+        if removed:
+            fsync_path(path)
+        return removed
 
     def _agent_dirs(self) -> Iterator[Path]:
         for child in self.root.iterdir():

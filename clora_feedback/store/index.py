@@ -32,7 +32,8 @@ from typing import Any
 from clora_feedback.errors import InvalidRequestError
 from clora_feedback.store.versions import VersionInfo, VersionStatus
 
-SCHEMA_VERSION = 2  # 1: these tables; 2: + the trainer leases (`lease.TABLES`)
+SCHEMA_VERSION = 3  # 1: these tables; 2: + the trainer leases (`lease.TABLES`);
+# 3: + versions.pruned_at, versions.probe (`MIGRATE_V3`)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -58,6 +59,8 @@ CREATE TABLE IF NOT EXISTS versions (
     created_at REAL NOT NULL,
     rolled_back_at REAL,
     rolled_back_reason TEXT,
+    pruned_at REAL,
+    probe TEXT,
     PRIMARY KEY (agent, version)
 ) WITHOUT ROWID;
 """
@@ -88,16 +91,21 @@ CREATE TABLE IF NOT EXISTS versions (
     created_at DOUBLE PRECISION NOT NULL,
     rolled_back_at DOUBLE PRECISION,
     rolled_back_reason TEXT,
+    pruned_at DOUBLE PRECISION,
+    probe TEXT,
     PRIMARY KEY (agent, version)
 )
 """
+MIGRATE_V3 = {"pruned_at": "REAL", "probe": "TEXT"}
+"""Columns version 3 adds to `versions` (PostgreSQL: `DOUBLE PRECISION` for REAL):
+when the version's payload was pruned (retention), and the no-op probe's result (JSON)."""
 PG_TABLES = ("meta", "agents", "versions")
 """The registry's tables on PostgreSQL, parents first (its schema version: `clora_schema`)."""
 AGENT_COLUMNS = "agent, active_version, last_version, pinned, activated_by, activated_at"
 """The `agents` columns, in the order `Pointer.of` and the registry read a row."""
 VERSION_COLUMNS = (
     "agent, version, parent, step, base_model, content_hash, metrics, feedback_window, "
-    "has_optimizer_state, created_at, rolled_back_at, rolled_back_reason"
+    "has_optimizer_state, created_at, rolled_back_at, rolled_back_reason, pruned_at, probe"
 )
 """The `versions` columns, in the order `version_info` reads a row."""
 
@@ -139,7 +147,7 @@ def version_status(
 def version_info(row: tuple[Any, ...], pointer: Pointer, path: Path) -> VersionInfo:
     """Decode a `versions` row (`VERSION_COLUMNS` order) stored under `path`."""
     agent, version, parent, step, base_model, digest, metrics, window = row[:8]
-    has_optimizer_state, created_at, rolled_back_at, reason = row[8:]
+    has_optimizer_state, created_at, rolled_back_at, reason, pruned_at, probe = row[8:]
     return VersionInfo(
         agent=agent,
         version=version,
@@ -155,6 +163,8 @@ def version_info(row: tuple[Any, ...], pointer: Pointer, path: Path) -> VersionI
         has_optimizer_state=bool(has_optimizer_state),
         rolled_back_at=rolled_back_at,
         rolled_back_reason=reason,
+        pruned_at=pruned_at,
+        probe=None if probe is None else json.loads(probe),
     )
 
 

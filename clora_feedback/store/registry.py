@@ -38,18 +38,19 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clora_feedback.errors import ConflictError, InvalidRequestError, StoreError
+from clora_feedback.errors import ConflictError, GoneError, InvalidRequestError, StoreError
 from clora_feedback.lora.peft_io import load_peft_adapter, read_adapter_config
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
-from clora_feedback.store import registry_rows, registry_schema
+from clora_feedback.store import provenance, registry_rows, registry_schema
 from clora_feedback.store.artifact import (
+    MANIFEST_NAME,
     OPTIMIZER_NAME,
     VersionDirs,
     read_manifest,
@@ -74,6 +75,9 @@ from clora_feedback.store.versions import (
     check_pointer_move,
 )
 
+if TYPE_CHECKING:
+    from clora_feedback.store.provenance import BaseIdentity
+
 __all__ = ["AdapterRegistry", "AdapterStore", "AgentInfo", "VersionInfo", "VersionStatus"]
 
 log = logging.getLogger(__name__)
@@ -92,7 +96,12 @@ class AdapterRegistry:
             should pass `Settings.data_dir / "registry.db"`).
         db: instead of `db_path`, a URL: a file path, `sqlite:///...` or
             `postgresql://...` (see `store.db`).
-        collect_on_open: delete crash leftovers (temp dirs, uncommitted versions) now.
+        collect_on_open: delete crash leftovers (temp dirs, uncommitted versions, the
+            payload files of versions a crash left half-pruned) now.
+        base_identity: the served base model's identity (`provenance.base_identity`,
+            computed once by the composition root): recorded in every version published
+            here, and checked before any version or imported adapter is loaded (None:
+            neither, e.g. a CLI that only lists versions).
 
     Raises:
         StoreError: the database cannot be opened, was written by a newer schema,
@@ -106,10 +115,13 @@ class AdapterRegistry:
         *,
         db: str | os.PathLike[str] | None = None,
         collect_on_open: bool = True,
+        base_identity: BaseIdentity | None = None,
     ) -> None:
         if db is not None and db_path is not None:
             raise ValueError("pass the registry database as db_path or as db, not both")
         self.root = Path(root)
+        self.base_identity = base_identity
+        """The served base's identity (see Args), or None."""
         url = (
             db if db is not None else db_path if db_path is not None else self.root / "registry.db"
         )
@@ -294,7 +306,7 @@ class AdapterRegistry:
                     f"agent {agent!r} has versions but none is active", code="no_active_version"
                 )
             return current
-        config = read_adapter_config(Path(path))
+        config = self.check_source(path)
         weights = load_peft_adapter(Path(path), limits=limits)
         return self._publish(
             agent,
@@ -331,6 +343,8 @@ class AdapterRegistry:
             "metrics": finite_metrics(metrics),
             "feedback_window": None if window is None else json.loads(window),
         }
+        if self.base_identity is not None:
+            meta["base"] = self.base_identity.as_manifest()
         with self._dirs.lock():
             # Checked before writing (a cheap failure) and again in the commit (the truth).
             with self._read("publish") as conn:
@@ -384,7 +398,7 @@ class AdapterRegistry:
             registry_rows.check_publishable(conn, agent, manifest["parent"], activate, lock=True)
             conn.execute(
                 f"INSERT INTO versions ({VERSION_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, NULL)",
                 (
                     agent,
                     version,
@@ -417,10 +431,17 @@ class AdapterRegistry:
         with self._dirs.lock():
             with self._read("collect") as conn:
                 known = set(conn.execute("SELECT agent, version FROM versions").fetchall())
+                pruned = conn.execute(
+                    "SELECT agent, version FROM versions WHERE pruned_at IS NOT NULL"
+                ).fetchall()
             with self._translate("collect"):
                 removed = self._dirs.collect(known)
+                # A prune killed between its index mark and its deletes: finish it.
+                finished = [(a, v) for a, v in pruned if self._dirs.prune_payload(a, v)]
         for path in removed:
             log.warning("adapter registry: removed incomplete version directory %s", path)
+        for agent, version in finished:
+            log.warning("agent %s: finished pruning version %d's payload", agent, version)
         return removed
 
     # -- reading ------------------------------------------------------------------
@@ -525,13 +546,114 @@ class AdapterRegistry:
 
         Raises:
             NotFoundError: unknown agent or version.
+            GoneError: retention pruned its payload (`version_pruned`).
+            BaseMismatchError: its manifest records another base model than the served one.
             StoreError: files missing or corrupted (hash mismatch).
             AdapterError: the adapter does not fit `limits`.
         """
-        info = self.verify(agent, version)
+        info = self.check_loadable(agent, version)
+        verify_version_dir(
+            info.path, info.content_hash, has_optimizer_state=info.has_optimizer_state
+        )
         return read_version_dir(
             info.path, has_optimizer_state=info.has_optimizer_state, limits=limits
         )
+
+    def check_loadable(self, agent: str, version: int) -> VersionInfo:
+        """Refuse a version that cannot serve here: pruned, or made on another base.
+
+        Reads the row and the manifest only (no tensors); `load` calls it, and so does
+        the deployer before an engine reads a version's directory itself (vLLM).
+
+        Raises:
+            NotFoundError: unknown agent or version.
+            GoneError: retention pruned its payload (`version_pruned`).
+            BaseMismatchError: its manifest's base digests differ from `base_identity`.
+        """
+        info = self.get(agent, version)
+        if info.pruned_at is not None:
+            raise _pruned(agent, version)
+        what = f"agent {agent!r} version {version}"
+        provenance.check_manifest(read_manifest(info.path), self.base_identity, what=what)
+        return info
+
+    def check_source(self, path: Path) -> dict[str, Any]:
+        """Check an adapter directory from outside the registry before it is imported.
+
+        A directory with our `manifest.json` (a copied version) is checked by its base
+        digests; a plain PEFT directory by its config's `base_model_name_or_path`, a hint
+        that is only logged. Shapes are checked when the tensors are read.
+
+        Returns:
+            Its `adapter_config.json`.
+
+        Raises:
+            AdapterError: the config is missing or malformed.
+            BaseMismatchError: its manifest records another base model.
+        """
+        path = Path(path)
+        config = read_adapter_config(path)
+        what = f"adapter {str(path)!r}"
+        if (path / MANIFEST_NAME).is_file():
+            provenance.check_manifest(read_manifest(path), self.base_identity, what=what)
+        else:
+            provenance.check_name_hint(config, self.base_identity, what=what)
+        return config
+
+    def record_probe(self, agent: str, version: int, result: Mapping[str, Any]) -> bool:
+        """Record the no-op probe's `result` (JSON) on a version, once.
+
+        Returns:
+            False when the version already had a result (another process probed it).
+        """
+        text = json_object(result, param="probe")
+        with self._transaction("probe") as conn:
+            return bool(
+                conn.execute(
+                    "UPDATE versions SET probe = ? WHERE agent = ? AND version = ? "
+                    "AND probe IS NULL",
+                    (text, agent, version),
+                ).rowcount
+            )
+
+    def prune(self, agent: str, *, keep_last: int, keep: Collection[int] = ()) -> list[int]:
+        """Delete the payload of `agent`'s versions retention does not keep; manifests stay.
+
+        Kept: the `keep_last` newest versions, the active one (so a pinned agent's too),
+        and `keep` (versions another part still needs, e.g. a canary). The versions are
+        marked pruned in the index first, in one transaction holding the agent's row (so
+        a rollback cannot race it), then their files are deleted; a crash in between
+        leaves marked versions that nothing loads and the next open finishes.
+
+        Returns:
+            The versions pruned now, ascending.
+
+        Raises:
+            InvalidRequestError: `keep_last` < 1.
+            NotFoundError: unknown agent.
+        """
+        if keep_last < 1:
+            raise InvalidRequestError("retention must keep at least 1 version", param="keep_last")
+        with self._dirs.lock():
+            with self._transaction("prune") as conn:
+                active = registry_rows.require_agent(conn, agent, lock=True)[1]
+                rows = conn.execute(
+                    "SELECT version, pruned_at FROM versions WHERE agent = ? ORDER BY version DESC",
+                    (agent,),
+                ).fetchall()
+                kept = {v for v, _ in rows[:keep_last]} | set(keep) | {active}
+                doomed = sorted(v for v, pruned_at in rows if pruned_at is None and v not in kept)
+                for version in doomed:
+                    conn.execute(
+                        "UPDATE versions SET pruned_at = ? WHERE agent = ? AND version = ?",
+                        (time.time(), agent, version),
+                    )
+            with self._translate("prune"):
+                for version in doomed:
+                    self._dirs.prune_payload(agent, version)
+        if doomed:
+            log.info("agent %s: pruned the payload of versions %s", agent, doomed)
+        return doomed
 
     def is_pinned(self, agent: str) -> bool:
         """Whether training of `agent` is frozen (False for an agent the registry never saw)."""
@@ -563,6 +685,7 @@ class AdapterRegistry:
             NotFoundError: unknown agent or version.
             ConflictError: `version` is already active (`already_active`), or the active
                 version is not `expected_active` (`active_changed`).
+            GoneError: retention pruned the version's payload (`version_pruned`).
             InvalidRequestError: empty reason.
         """
         if not reason.strip():
@@ -570,9 +693,12 @@ class AdapterRegistry:
         now = time.time()
         with self._transaction("rollback") as conn:
             active = registry_rows.require_agent(conn, agent, lock=True)[1]
-            if registry_rows.version_row(conn, agent, version) is None:
+            row = registry_rows.version_row(conn, agent, version)
+            if row is None:
                 raise registry_rows.version_not_found(agent, version)
             check_pointer_move(agent, active, version, expected_active)
+            if row[VERSION_COLUMNS.split(", ").index("pruned_at")] is not None:
+                raise _pruned(agent, version)
             conn.execute(
                 "UPDATE versions SET rolled_back_at = ?, rolled_back_reason = ? "
                 "WHERE agent = ? AND version > ? AND rolled_back_at IS NULL",
@@ -642,3 +768,12 @@ class AdapterRegistry:
             registry_rows.require_agent(conn, agent, lock=True)
             conn.execute("UPDATE agents SET pinned = ? WHERE agent = ?", (int(pinned), agent))
         return self.agent(agent)
+
+
+def _pruned(agent: str, version: int) -> GoneError:
+    return GoneError(
+        f"agent {agent!r} version {version}: retention pruned its weights (its manifest and "
+        "history are kept); it cannot be loaded or rolled back to",
+        param="version",
+        code="version_pruned",
+    )

@@ -4,7 +4,8 @@
 on PostgreSQL, which starts at the current version and records it as component
 `registry` of the shared `clora_schema` table) and upgrades an older database:
 version 1 had no trainer leases; version 2 adds `lease.TABLES` (new tables only,
-so the upgrade is their `CREATE TABLE IF NOT EXISTS` and the version row). `claim_root` ties the version tree
+so the upgrade is their `CREATE TABLE IF NOT EXISTS` and the version row); version 3
+adds the `versions` columns `pruned_at` and `probe` (`index.MIGRATE_V3`, nullable). `claim_root` ties the version tree
 to the database: the `meta` row `store_id` and the tree's `.store-id` file must
 agree, so a registry opened on another database's tree refuses rather than
 garbage-collect that tree's versions. On PostgreSQL the claim is that row in the
@@ -22,7 +23,7 @@ from clora_feedback.errors import StoreError
 from clora_feedback.store import index, lease
 from clora_feedback.store.artifact import VersionDirs
 from clora_feedback.store.db import Tx
-from clora_feedback.store.index import PG_SCHEMA, SCHEMA, SCHEMA_VERSION
+from clora_feedback.store.index import MIGRATE_V3, PG_SCHEMA, SCHEMA, SCHEMA_VERSION
 from clora_feedback.store.sql import (
     LOCK_REGISTRY_CLAIM,
     pg_schema_version,
@@ -50,13 +51,20 @@ def init_schema(conn: Tx, url: str) -> None:
         _check_not_newer(version, url)
         run_script(conn, PG_SCHEMA)
         run_script(conn, lease.schema(conn.dialect))
-        if version != SCHEMA_VERSION:  # new, or an upgrade from 1
+        for column, kind in MIGRATE_V3.items():  # idempotent: a no-op on a new database
+            kind = "DOUBLE PRECISION" if kind == "REAL" else kind
+            conn.execute(f"ALTER TABLE versions ADD COLUMN IF NOT EXISTS {column} {kind}")
+        if version != SCHEMA_VERSION:  # new, or an upgrade from 1 or 2
             set_pg_schema_version(conn, "registry", SCHEMA_VERSION)
     else:
         run_script(conn, SCHEMA)
         version = conn.execute("SELECT max(version) FROM schema_version").fetchone()[0]
         _check_not_newer(version, url)
         run_script(conn, lease.schema(conn.dialect))
+        present = {row[1] for row in conn.execute("PRAGMA table_info(versions)")}
+        for column, kind in MIGRATE_V3.items():
+            if column not in present:
+                conn.execute(f"ALTER TABLE versions ADD COLUMN {column} {kind}")
         if version != SCHEMA_VERSION:
             conn.execute("DELETE FROM schema_version")
             conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))

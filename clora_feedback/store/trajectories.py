@@ -24,8 +24,13 @@ starts at the current version): v1 -> v2 adds the indexed column
 backfilled from the stored request JSON. Other stores read this one only
 through its methods (`exists`, `get_many`, `by_conversation`, `recorded_since`).
 
+Deletion (`delete`: by agent, conversation or age, in bounded transactions)
+removes a completion and its samples for good: a deleted completion is as if
+never stored, so feedback joins never find it (an event naming it parks, then
+dies after the park TTL) and it never becomes a training sample.
+
 Deliberately not here: rewards and feedback (joined later by the ingest side),
-training batches, retention or deletion policies.
+training batches, when to delete (`store.retention`, the admin route).
 """
 
 from __future__ import annotations
@@ -294,6 +299,55 @@ class TrajectoryStore:
                 return False
             _insert(tx, t.id, rows)
         return True
+
+    def delete(
+        self,
+        *,
+        agent: str | None = None,
+        conversation_id: str | None = None,
+        before: float | None = None,
+        batch: int = 1000,
+    ) -> int:
+        """Delete the trajectories matching every filter given, `batch` per transaction.
+
+        Args:
+            agent: only this agent's.
+            conversation_id: only this conversation's (`metadata.conversation_id`).
+            before: only those captured before this time (seconds since the epoch).
+            batch: completions deleted per transaction (bounds each write lock).
+
+        Returns:
+            How many were deleted.
+
+        Raises:
+            InvalidRequestError: no filter given (deleting everything is not offered).
+            StoreError: the database failed (transactions already committed stay).
+        """
+        where, params = self._filters(agent, before)
+        if conversation_id is not None:
+            where += (" AND " if where else "WHERE ") + "conversation_id = ?"
+            params = (*params, conversation_id)
+        if not where:
+            raise InvalidRequestError(
+                "name an agent, a conversation_id or an age to delete", param="agent"
+            )
+        total = 0
+        while True:
+            with self._db.write() as tx:
+                ids = [
+                    row[0]
+                    for row in tx.execute(
+                        f"SELECT id FROM completions {where} LIMIT ?", (*params, batch)
+                    )
+                ]
+                for chunk, marks in in_chunks(ids):
+                    tx.execute(
+                        f"DELETE FROM samples WHERE completion_id IN ({marks})", tuple(chunk)
+                    )
+                    tx.execute(f"DELETE FROM completions WHERE id IN ({marks})", tuple(chunk))
+            total += len(ids)
+            if len(ids) < batch:
+                return total
 
     def checkpoint(self) -> None:
         """Copy committed WAL pages into the database file (SQLite, PASSIVE; PostgreSQL: no-op).
@@ -661,3 +715,16 @@ class AsyncTrajectoryStore(AsyncLifecycle):
         """See `TrajectoryStore.count`."""
         store = self.store
         return await self._run(lambda: store.count(agent))
+
+    async def delete(
+        self,
+        *,
+        agent: str | None = None,
+        conversation_id: str | None = None,
+        before: float | None = None,
+    ) -> int:
+        """See `TrajectoryStore.delete` (on the store's worker, after pending writes)."""
+        store = self.store
+        return await self._run(
+            lambda: store.delete(agent=agent, conversation_id=conversation_id, before=before)
+        )

@@ -65,6 +65,21 @@ class VersionInfo:
     """When a rollback marked this version, if one did."""
     rolled_back_reason: str | None = None
     """Why it was rolled back (operator text or the regression guard's statistics)."""
+    pruned_at: float | None = None
+    """When retention deleted its payload (PEFT files, optimizer state); its manifest and
+    this row stay. A pruned version cannot be loaded or rolled back to (410)."""
+    probe: Mapping[str, Any] | None = None
+    """The no-op probe's result once run (`noop`, `prompts`, `tokens`, `seconds`, `at`)."""
+
+    @property
+    def payload_pruned(self) -> bool:
+        """Whether retention deleted the payload (see `pruned_at`)."""
+        return self.pruned_at is not None
+
+    @property
+    def noop(self) -> bool | None:
+        """The probe found its greedy outputs identical to the base model's; None: not probed."""
+        return None if self.probe is None else bool(self.probe.get("noop"))
 
 
 @dataclass(frozen=True)
@@ -153,6 +168,12 @@ class AdapterStore(Protocol):
     def unpin(self, agent: str) -> AgentInfo: ...
 
     def is_pinned(self, agent: str) -> bool: ...
+
+    def check_loadable(self, agent: str, version: int) -> VersionInfo: ...
+
+    def check_source(self, path: Path) -> dict[str, Any]: ...
+
+    def record_probe(self, agent: str, version: int, result: Mapping[str, Any]) -> bool: ...
 
 
 def check_agent_name(agent: str) -> None:
