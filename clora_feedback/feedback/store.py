@@ -171,6 +171,30 @@ class RewardPoint:
     """The policy's aggregate of the events judging it."""
 
 
+@dataclass(frozen=True)
+class AgentActivity:
+    """One agent's feedback over a recent window (`activity_since`)."""
+
+    events: int
+    """Feedback events received in the window, in any state."""
+    judged: int
+    """Samples judged by the joined events among them."""
+    reward_mean: float | None
+    """Mean reward of those samples under the current policy (None: none judged)."""
+
+
+ACTIVITY_EVENTS = (
+    "SELECT agent, count(*) FROM feedback_events "
+    "WHERE state IN ('joined', 'parked', 'dead') AND received_at >= ? GROUP BY agent"
+)
+"""Events per agent received since a time; the state list lets `feedback_by_state` serve it."""
+ACTIVITY_JOINS = (
+    "SELECT t.seq, t.agent, t.event_id, t.completion_id, e.payload "
+    "FROM feedback_events e JOIN event_targets t ON t.agent = e.agent AND t.event_id = e.event_id "
+    "WHERE e.state = 'joined' AND e.received_at >= ? ORDER BY t.seq"
+)
+"""The joins of the events received since a time, with their payloads."""
+
 _Reader = TypeVar("_Reader", bound=TrajectoryReader)
 
 _Judged = dict[tuple[str, int], list[tuple[int, Judgement]]]
@@ -564,6 +588,33 @@ class FeedbackStore(Generic[_Reader]):
             for (cid, idx), items in judged.items()
         ]
         return sorted(points, key=lambda p: (p.created_at, p.completion_id, p.sample_index))
+
+    def activity_since(self, since: float) -> dict[str, AgentActivity]:
+        """Every agent's feedback received at or after `since` (seconds since the epoch):
+        event counts and the mean reward of the samples those events judge (for the
+        console's feedback per minute and its sort by reward). Agents with no event
+        in the window are absent.
+
+        Two indexed reads for all agents (`feedback_by_state`, then the joins by key);
+        a sample also judged by an event older than the window is aggregated over the
+        events inside it, as in `recent_rewards`.
+        """
+        with self._db.read() as tx:
+            counts = tx.execute(ACTIVITY_EVENTS, (since,)).fetchall()
+            rows = tx.execute(ACTIVITY_JOINS, (since,)).fetchall()
+        events = {(r[1], r[2]): parse_event(r[4]) for r in rows}
+        judged, records = self._judge([(r[0], r[1], r[2], r[3]) for r in rows], events)
+        rewards: dict[str, list[float]] = defaultdict(list)
+        for (cid, _), items in judged.items():
+            rewards[records[cid].agent].append(self.policy.reward([j for _, j in items]))
+        return {
+            agent: AgentActivity(
+                events=int(n),
+                judged=len(rewards[agent]),
+                reward_mean=sum(rewards[agent]) / len(rewards[agent]) if rewards[agent] else None,
+            )
+            for agent, n in counts
+        }
 
     def agents_with_rewards(self) -> list[str]:
         with self._db.read() as tx:
