@@ -302,6 +302,7 @@ async def test_a_replica_taken_out_fails_its_requests_at_once_and_its_agents_mov
             assert home is not None
             other = next(r for r in engine.replicas.replicas if r is not home)
             assert [r.url for r in engine.replicas.replicas if r.loaded] == [home.url]
+            assert engine.replica_of("support") == home.url  # what the console shows
             servers.hang.add(home.url)
             prompt = list(tokenizer.encode("hi"))
             stream = aiter(
@@ -317,6 +318,7 @@ async def test_a_replica_taken_out_fails_its_requests_at_once_and_its_agents_mov
             with pytest.raises(EngineUnavailableError) as exc:
                 await asyncio.wait_for(anext(stream), 60)  # a guard against a hang, not a timing
             assert exc.value.retriable and home.url in exc.value.message
+            assert engine.replica_of("support") == other.url
             again = engine.add_request(
                 GenerationRequest("r2", "support", prompt, SamplingParams(max_tokens=4))
             )

@@ -95,4 +95,10 @@ class Engine(Protocol):
         """The version of `agent`'s adapter that new requests get, or None if it has none."""
         ...
 
+    def replica_of(self, agent: str) -> str | None:
+        """Where `agent` is served: "embedded" for the in-process engine; for vLLM the URL of
+        its home replica (the first of its rendezvous order that is up, where its requests
+        go first), None before `start` or while no replica is up."""
+        ...
+
     def stats(self) -> EngineStats: ...

@@ -345,6 +345,10 @@ class EmbeddedEngine:
         entry = self._slots.get(agent)
         return entry[0] if entry else None
 
+    def replica_of(self, agent: str) -> str:
+        """Engine Protocol: every agent lives in this process."""
+        return "embedded"
+
     def adapter_weights(self, agent: str) -> tuple[int, LoRAWeights] | None:
         """The live (version, host copy of the weights) of an agent's adapter; do not mutate."""
         return self._slots.get(agent)

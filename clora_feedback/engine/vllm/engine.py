@@ -586,6 +586,13 @@ class VLLMEngine:
         served = self._names.live(agent)
         return None if served is None else served.version
 
+    def replica_of(self, agent: str) -> str | None:
+        """Engine Protocol: the URL of `agent`'s home replica (`ReplicaSet.home`), or None
+        before `start` or while no replica is up. A request spills over to the next replica
+        in the agent's order only while its home is full."""
+        home = None if self._replicas is None else self._replicas.home(agent)
+        return None if home is None else home.url
+
     def _background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._unloads.add(task)
