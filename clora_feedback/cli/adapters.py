@@ -5,12 +5,18 @@
     clora adapters show AGENT VERSION                 one version with its manifest
     clora adapters rollback AGENT VERSION [--reason]  serve and train from VERSION again
     clora adapters pin AGENT | unpin AGENT            freeze / resume training
+    clora adapters prune [--keep-last N]              one retention pass, on the stores
 
 Every action takes `--url` (default: `http://<host>:<port>` from the settings
 `clora serve` uses), `--api-key` (default: the settings' `admin_api_key`, i.e.
 `CLORA_ADMIN_API_KEY`), `--config` and `--json` (print the raw response).
 Exit status: 0 on success, 1 when the gateway refuses (its OpenAI-style error
 message is printed), 2 when it cannot be reached.
+
+`prune` is the exception: it opens the stores of the settings directly (the
+registry and, with `retention.trajectory_ttl_s`, the trajectories) and runs one
+retention pass (`store.retention`), safe beside running gateways (the registry's
+locks and transactions serialise it with their moves).
 
 Not here: the routes (`clora_feedback.gateway.adapters`); wiring into `clora`
 (`clora_feedback.cli.main` calls `add_adapters_parser`).
@@ -64,6 +70,14 @@ def add_adapters_parser(subparsers: Any) -> argparse.ArgumentParser:
     rollback.add_argument("--reason", default=None, help="Recorded on the versions it marks.")
     for name, text in (("pin", "Freeze training."), ("unpin", "Let training publish again.")):
         actions.add_parser(name, parents=[common], help=text).add_argument("agent")
+    prune = actions.add_parser(
+        "prune",
+        parents=[common],
+        help="Prune old versions' weights (manifests stay) and expire trajectories, now.",
+    )
+    prune.add_argument(
+        "--keep-last", type=int, default=None, help="Default: the settings' retention.keep_last."
+    )
     parser.set_defaults(func=run_adapters)
     for action in actions.choices.values():
         action.set_defaults(func=run_adapters)
@@ -108,6 +122,8 @@ def run_adapters(args: argparse.Namespace, *, client: httpx.Client | None = None
         args: parsed arguments (from `add_adapters_parser`).
         client: an httpx client to use instead of connecting to `--url` (tests).
     """
+    if args.adapters_action == "prune":
+        return _prune(args)
     try:
         if client is None:
             url, key = _connection(args)
@@ -130,6 +146,46 @@ def run_adapters(args: argparse.Namespace, *, client: httpx.Client | None = None
         print(f"error ({response.status_code}{code}): {message}", file=sys.stderr)
         return 1
     print(json.dumps(payload, indent=2) if args.json else render(args.adapters_action, payload))
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    """One retention pass on the settings' stores (see the module docstring)."""
+    from clora_feedback.config import load_settings
+    from clora_feedback.errors import CloraError
+    from clora_feedback.store.registry import AdapterRegistry
+    from clora_feedback.store.retention import Retention
+    from clora_feedback.store.trajectories import TrajectoryStore
+
+    settings = load_settings(args.config)
+    config = settings.retention
+    if args.keep_last is not None:
+        config = config.model_copy(update={"keep_last": args.keep_last})
+    try:
+        with AdapterRegistry(settings.adapters_dir, settings.registry_db_url) as registry:
+            trajectories = None
+            if config.trajectory_ttl_s is not None:
+                trajectories = TrajectoryStore(settings.trajectory_db_url)
+            try:
+                report = Retention(registry, config, trajectories=trajectories).run_once()
+            finally:
+                if trajectories is not None:
+                    trajectories.close()
+    except CloraError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    payload = {
+        "pruned": report.pruned,
+        "trajectories_deleted": report.trajectories_deleted,
+        "seconds": round(report.seconds, 3),
+    }
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        lines = [f"agent {a}: pruned versions {', '.join(map(str, v))}" for a, v in
+                 sorted(report.pruned.items())] or ["nothing to prune"]  # fmt: skip
+        lines.append(f"trajectories deleted: {report.trajectories_deleted}")
+        print("\n".join(lines))
     return 0
 
 
@@ -207,7 +263,9 @@ def _version_row(v: dict[str, Any]) -> list[str]:
     mark = _ACTIVE_MARK if v["status"] == "active" else ""
     return [
         f"{v['version']}{mark}",
-        v["status"],
+        v["status"]
+        + (" (pruned)" if v.get("payload_pruned") else "")
+        + (" (no-op)" if v.get("noop") else ""),
         _opt(v["parent"]),
         str(v["step"]),
         _when(v["created_at"]),
