@@ -292,3 +292,41 @@ def test_versions_listing_shows_noop_and_pruned(
         (False, True),
     ]
     registry.close()
+
+
+class _PathEngine:
+    """Loads adapters from their directory, as vLLM does (records what it was given)."""
+
+    model_name = "tiny-base"
+
+    def __init__(self, limits: object) -> None:
+        self.lora_limits = limits
+        self.loaded: list[int] = []
+
+    async def load_adapter(self, ref: object) -> None:
+        self.loaded.append(ref.version)  # type: ignore[attr-defined]
+
+    async def unload_adapter(self, agent: str) -> None:
+        return None
+
+
+async def test_an_engine_that_reads_the_directory_is_checked_from_the_manifest(
+    tmp_path: Path, engine: EmbeddedEngine, served: BaseIdentity, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = AdapterRegistry(tmp_path / "adapters", base_identity=served)
+    v1 = _publish(registry, _weights(engine, 1), None)
+    v2 = _publish(registry, _weights(engine, 2), v1)
+    vllm_like = _PathEngine(engine.lora_limits)
+    deployer = Deployer(vllm_like, registry)  # type: ignore[arg-type]
+    await deployer.reconcile()
+    assert vllm_like.loaded == [v2]
+    manifest_path = registry.get("a", v1).path / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["base"]["tokenizer"] = "e" * 64
+    manifest_path.write_text(json.dumps(manifest))
+    registry.rollback("a", v1, reason="elsewhere")  # another process moved the pointer
+    with caplog.at_level(logging.ERROR):
+        await deployer.reconcile()
+    assert vllm_like.loaded == [v2] and deployer.serving("a") == v2
+    assert "tokenizer" in caplog.text
+    registry.close()

@@ -142,20 +142,20 @@ class NoopProbe:
             return info.probe is None
 
     async def _outputs(self, agent: str | None) -> list[tuple[list[int], list[int]]]:
-        """(greedy token ids, their adapter versions) per prompt, through `agent`."""
-        tokenizer = self.engine.tokenizer
-        out = []
-        for prompt in self.prompts:
-            request = GenerationRequest(
-                request_id=f"probe-{uuid.uuid4().hex}",
-                agent=agent,
-                prompt_token_ids=list(tokenizer.encode(prompt, add_special_tokens=False)),
-                sampling=SamplingParams(max_tokens=self.max_tokens, temperature=0.0),
-            )
-            tokens: list[int] = []
-            versions: list[int] = []
-            async for chunk in self.engine.add_request(request):
-                tokens += [t.token_id for t in chunk.tokens]
-                versions += [t.adapter_version for t in chunk.tokens]
-            out.append((tokens, versions))
-        return out
+        """(greedy token ids, their adapter versions) per prompt, through `agent`; the
+        prompts go in together, so the engine batches them (one decode row each)."""
+        return list(await asyncio.gather(*(self._greedy(agent, p) for p in self.prompts)))
+
+    async def _greedy(self, agent: str | None, prompt: str) -> tuple[list[int], list[int]]:
+        request = GenerationRequest(
+            request_id=f"probe-{uuid.uuid4().hex}",
+            agent=agent,
+            prompt_token_ids=list(self.engine.tokenizer.encode(prompt, add_special_tokens=False)),
+            sampling=SamplingParams(max_tokens=self.max_tokens, temperature=0.0),
+        )
+        tokens: list[int] = []
+        versions: list[int] = []
+        async for chunk in self.engine.add_request(request):
+            tokens += [t.token_id for t in chunk.tokens]
+            versions += [t.adapter_version for t in chunk.tokens]
+        return tokens, versions
