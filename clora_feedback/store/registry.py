@@ -26,6 +26,15 @@ collect that tree's versions.
 A version's status is computed from the pointer and its rollback mark, never
 stored (the rule, the tables and the row decoding are in `index`).
 
+Provenance: given the served base's identity (`base_identity`, see
+`provenance`), every version published here records it in its manifest, and
+`load` / `check_loadable` refuse a version recorded on another base
+(`BaseMismatchError`), `check_source` an adapter imported from outside.
+Retention: `prune` marks versions pruned in the index (the commit point), then
+deletes their payload and keeps their manifest; a crash in between is finished
+by `collect_garbage`; a pruned version is never loaded or rolled back to
+(`GoneError`, 410).
+
 Deliberately not here: the value types and Protocol (see `versions`), the engine
 (`clora_feedback.engine.deployer` makes it serve the active pointer), HTTP (see `clora_feedback.gateway.adapters`),
 deciding when to roll back (see `guard`).
