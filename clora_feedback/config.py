@@ -603,6 +603,12 @@ class ConsoleConfig(BaseModel):
         description="How often the live event stream (`/console/api/events`) looks for new "
         "versions, pointer moves and feedback while a page listens.",
     )
+    login_failures_per_minute: int = Field(
+        10,
+        ge=1,
+        description="Failed logins one client address may make in a minute; the next attempt "
+        "within that minute is refused with 429 and `Retry-After` (the key is not checked).",
+    )
 
 
 class AgentConfig(BaseModel):

@@ -280,7 +280,13 @@ def build_service(settings: Settings) -> Service:
     if settings.console.enabled:
         routers.append(
             build_console_router(
-                settings.console, registry, feedback, store, agents.names, deployer
+                settings.console,
+                registry,
+                feedback,
+                store,
+                agents.names,
+                deployer,
+                replica_of=engine.replica_of,
             )
         )
     app = create_app(serving, engine, store, agents=agents, routers=routers, components=components)

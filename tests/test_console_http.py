@@ -4,8 +4,11 @@ A real gateway built by `build_service` on the tiny model (trainer off), with an
 admin key and an agent key: login refuses a wrong key (401) and an agent's key
 (403); the JSON reads need the session cookie; every action needs the CSRF token;
 logout ends the session; the key never appears in what the console serves; an
-open gateway (no keys) starts a session without a login. The agents page pages
-and searches 1,000 agents quickly. The console's routes are in `/openapi.json`.
+open gateway (no keys) starts a session without a login; failed logins from one
+address are limited (429 with `Retry-After`). The agents page pages, searches
+and sorts 1,000 agents quickly; its rows carry requests and feedback per minute,
+the recent reward and the engine replica, and sort by reward and by traffic. The
+console's routes are in `/openapi.json`.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import pytest
 from conftest import GatewayServer, serve_app
 
 from clora_feedback.config import Settings
+from clora_feedback.errors import OverloadedError
+from clora_feedback.feedback.store import Incoming
 from clora_feedback.gateway.console import live
-from clora_feedback.gateway.console.sessions import COOKIE_NAME, SessionStore
+from clora_feedback.gateway.console.sessions import COOKIE_NAME, LoginLimiter, SessionStore
 from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.schemas.feedback import Reward
 from clora_feedback.service import Service, build_service
 
 ADMIN = "sk-admin-console-4f1c"
@@ -72,6 +78,14 @@ def keyed(
     _publish(service, "support", 2)
     with serve_app(service.app, service.engine) as gateway:
         yield service, gateway
+
+
+def _reward(agent: str, completion_id: str, value: float) -> Incoming:
+    event = Reward(
+        event_id=f"e-{completion_id}", agent=agent, completion_id=completion_id, source="t",
+        value=value,
+    )  # fmt: skip
+    return Incoming(event, "test")
 
 
 def _login(http: httpx.Client, key: str = ADMIN) -> httpx.Response:
@@ -184,6 +198,9 @@ def test_agent_detail_and_trajectories(keyed: tuple[Service, GatewayServer]) -> 
         _login(http)
         detail = http.get("/console/api/agents/support").json()
         assert detail["active_version"] == 2 and detail["rewards"] == []
+        assert detail["replica"] == "embedded" and detail["window_s"] == 300.0
+        assert detail["requests_per_min"] >= 0.2 and detail["feedback_per_min"] == 0.0
+        assert detail["reward_recent"] is None and detail["reward_judged"] == 0
         assert [v["version"] for v in detail["versions"]] == [1, 2]
         assert detail["versions"][1]["samples"] == 4 and detail["versions"][1]["loss"] == 0.5
         assert [e["kind"] for e in detail["timeline"]] == ["publish", "publish"]
@@ -221,6 +238,101 @@ def test_a_thousand_agents_page_fast(tiny_model_dir: Path, tmp_path: Path) -> No
         desc = http.get("/console/api/agents", params={"order": "desc", "limit": 1}).json()
         assert desc["data"][0]["agent"] == "agent-0999"
         assert elapsed < 2.0, f"a page of 1,000 agents took {elapsed:.2f} s"
+        for sort in ("reward", "traffic"):
+            started = time.perf_counter()
+            params = {"sort": sort, "order": "desc", "offset": 500}
+            sorted_page = http.get("/console/api/agents", params=params).json()
+            elapsed = time.perf_counter() - started
+            assert sorted_page["total"] == 1000 and len(sorted_page["data"]) == 25
+            assert elapsed < 2.0, f"a page of 1,000 agents sorted by {sort} took {elapsed:.2f} s"
+
+
+def test_rates_replica_and_the_sorts_by_reward_and_traffic(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    agents = [{"name": "alpha"}, {"name": "beta"}, {"name": "gamma"}]
+    service = build_service(_settings(tiny_model_dir, tmp_path, agents=agents))
+    with serve_app(service.app, service.engine) as gateway, gateway.http() as http:
+        client = gateway.openai(api_key="unused")
+        served = {
+            agent: [
+                client.chat.completions.create(
+                    model=agent, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                ).id
+                for _ in range(n)
+            ]
+            for agent, n in (("alpha", 1), ("beta", 3))
+        }
+        deadline = time.monotonic() + 30
+        while service.trajectories.store.count() < 4:  # written behind the responses
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        events = [
+            _reward(agent, cid, value)
+            for agent, value in (("alpha", 1.0), ("beta", -1.0))
+            for cid in served[agent]
+        ]
+        assert len(service.feedback.apply(events).joined) == 4
+        http.get("/console/api/session")
+
+        def order(sort: str) -> list[str]:
+            params = {"sort": sort, "order": "desc"}
+            return [
+                r["agent"] for r in http.get("/console/api/agents", params=params).json()["data"]
+            ]
+
+        assert order("traffic") == ["beta", "alpha", "gamma"]
+        assert order("reward") == ["alpha", "beta", "gamma"]  # gamma: no reward, lowest
+        rows = {r["agent"]: r for r in http.get("/console/api/agents").json()["data"]}
+        assert rows["beta"]["requests_per_min"] == pytest.approx(3 * 60 / 300, abs=0.01)
+        assert rows["beta"]["feedback_per_min"] == pytest.approx(3 * 60 / 300, abs=0.01)
+        assert rows["beta"]["reward_judged"] == 3
+        assert rows["alpha"]["reward_recent"] > rows["beta"]["reward_recent"]
+        assert rows["gamma"]["requests_per_min"] == 0.0 and rows["gamma"]["reward_recent"] is None
+        assert {r["replica"] for r in rows.values()} == {"embedded"}
+
+
+def test_failed_logins_are_limited_per_address(tiny_model_dir: Path, tmp_path: Path) -> None:
+    settings = _settings(
+        tiny_model_dir, tmp_path, admin_api_key=ADMIN, console={"login_failures_per_minute": 2}
+    )
+    service = build_service(settings)
+    with serve_app(service.app, service.engine) as gateway, gateway.http() as http:
+        assert _login(http, "sk-wrong-1").status_code == 401
+        assert _login(http, AGENT).status_code == 401  # no agent key here: just wrong
+        for key in ("sk-wrong-3", ADMIN):  # the right key too: not checked while limited
+            refused = _login(http, key)
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert error["type"] == "rate_limit_error"
+            assert error["code"] == "too_many_login_attempts"
+            assert 1 <= int(refused.headers["retry-after"]) <= 60
+        assert COOKIE_NAME not in http.cookies
+
+
+def test_the_login_limit_slides_and_a_success_clears_it() -> None:
+    now = [100.0]
+    limiter = LoginLimiter(2, window_s=60.0, max_addresses=2, clock=lambda: now[0])
+    limiter.failed("a")
+    now[0] += 30
+    limiter.failed("a")
+    with pytest.raises(OverloadedError) as exc:
+        limiter.check("a")
+    assert exc.value.retry_after_s == 30.0  # until the first failure is a minute old
+    limiter.check("b")  # another address is not limited
+    now[0] += 30
+    limiter.check("a")  # the first failure left the window
+    limiter.failed("a")
+    with pytest.raises(OverloadedError):
+        limiter.check("a")
+    limiter.succeeded("a")
+    limiter.check("a")
+    for address in ("a", "b", "c"):  # bounded: the least recently failed is forgotten
+        limiter.failed(address)
+        limiter.failed(address)
+    limiter.check("a")
+    with pytest.raises(OverloadedError):
+        limiter.check("c")
 
 
 def test_sessions_expire() -> None:
@@ -242,7 +354,7 @@ def test_the_console_routes_are_documented(keyed: tuple[Service, GatewayServer])
     _, gateway = keyed
     with gateway.http() as http:
         paths = http.get("/openapi.json").json()["paths"]
-    assert set(paths["/console/api/login"]["post"]["responses"]) >= {"200", "401", "403"}
+    assert set(paths["/console/api/login"]["post"]["responses"]) >= {"200", "401", "403", "429"}
     assert "409" in paths["/console/api/agents/{agent}/rollback"]["post"]["responses"]
     assert "/console/api/events" in paths and "/console" in paths
 

@@ -59,11 +59,12 @@ ROUTE_STATUSES: Mapping[str, tuple[int, ...]] = {
     "POST /v1/adapters/{agent}/pin": (*_ADMIN, 404),
     "POST /v1/adapters/{agent}/unpin": (*_ADMIN, 404),
     # The operator console (`gateway.console`): a session cookie, not a key; POSTs need the
-    # session's CSRF token (403); login refuses a wrong key (401) and an agent's key (403).
+    # session's CSRF token (403); login refuses a wrong key (401) and an agent's key (403),
+    # and too many failures from one address in a minute (429).
     "GET /console": (),
     "GET /console/static/{name}": (404,),
     "GET /console/api/session": (401,),
-    "POST /console/api/login": (400, 401, 403),
+    "POST /console/api/login": (400, 401, 403, 429),
     "POST /console/api/logout": (400, 401, 403),
     "GET /console/api/agents": (400, 401),
     "GET /console/api/agents/{agent}": (401, 404),

@@ -17,7 +17,10 @@ Every `/console/api` route but login needs the session cookie (401
 `console_login_required` without one); every POST but login also needs the
 session's `X-CSRF-Token` header (403 `csrf_token_invalid`). Login takes the
 admin key in the JSON body: a wrong key is 401, an agent's key 403
-(`admin_required`), as on the admin routes. With no keys configured at all the
+(`admin_required`), as on the admin routes; after
+`console.login_failures_per_minute` of those from one client address in a
+minute, its next attempts are 429 `too_many_login_attempts` with `Retry-After`
+until the oldest failure is a minute old (`sessions.LoginLimiter`). With no keys configured at all the
 gateway is open (see `gateway.auth`), and so is the console: `GET
 /console/api/session` then starts a session without a login (the CSRF token
 still guards every action against other sites' pages).
@@ -41,7 +44,7 @@ from pydantic import BaseModel, Field
 
 from clora_feedback.config import ConsoleConfig
 from clora_feedback.engine.deployer import Deployer
-from clora_feedback.errors import AuthenticationError, NotFoundError
+from clora_feedback.errors import AuthenticationError, CloraError, NotFoundError
 from clora_feedback.gateway.adapters import rollback_adapter, set_pinned
 from clora_feedback.gateway.auth import KeyAuthenticator
 from clora_feedback.gateway.console.live import ChangeFeed
@@ -49,6 +52,7 @@ from clora_feedback.gateway.console.sessions import (
     COOKIE_NAME,
     CSRF_HEADER,
     ConsoleSession,
+    LoginLimiter,
     SessionStore,
 )
 from clora_feedback.gateway.console.views import MAX_PAGE, ConsoleViews, FeedbackReader
@@ -97,6 +101,7 @@ def build_console_router(
     trajectories: AsyncTrajectoryStore,
     serving: Callable[[], Sequence[str]],
     deployer: Deployer | None = None,
+    replica_of: Callable[[str], str | None] | None = None,
 ) -> APIRouter:
     """The console router; mount it with `app.include_router(...)` on a gateway app.
 
@@ -107,9 +112,14 @@ def build_console_router(
         trajectories: the gateway's trajectory store.
         serving: the names of the agents the gateway serves.
         deployer: moves pointers on rollback (None: the registry alone, as the admin routes).
+        replica_of: the engine's `Engine.replica_of` (None: no replica column).
     """
     sessions = SessionStore(config.session_ttl_s, config.max_sessions)
-    views = ConsoleViews(registry, feedback, trajectories, serving, show_text=config.show_text)
+    limiter = LoginLimiter(config.login_failures_per_minute)
+    views = ConsoleViews(
+        registry, feedback, trajectories, serving,
+        show_text=config.show_text, replica_of=replica_of,
+    )  # fmt: skip
     feed = ChangeFeed(registry, feedback, config.poll_interval_s)
     router = APIRouter(prefix="/console", tags=["console"])
 
@@ -170,7 +180,14 @@ def build_console_router(
     @router.post("/api/login")
     async def login(body: LoginRequest, request: Request, response: Response) -> SessionInfo:
         authenticator: KeyAuthenticator = request.app.state.authenticator
-        authenticator.authenticate(f"Bearer {body.key}").check_admin()
+        address = request.client.host if request.client is not None else "unknown"
+        limiter.check(address)
+        try:
+            authenticator.authenticate(f"Bearer {body.key}").check_admin()
+        except CloraError:
+            limiter.failed(address)
+            raise
+        limiter.succeeded(address)
         sessions.delete(request.cookies.get(COOKIE_NAME))  # a fresh id after every login
         return info(start(response, request), request)
 

@@ -12,20 +12,28 @@ several gateway replicas need sticky routing for the console (the JSON admin
 routes stay stateless). `SessionStore` is thread-safe and bounded
 (`console.max_sessions`, oldest evicted first).
 
+`LoginLimiter` bounds guessing: each client address may fail
+`console.login_failures_per_minute` logins in a sliding minute; its next
+attempt in that minute is refused (429, `Retry-After` = seconds until its
+oldest failure leaves the window) before the key is looked at. A successful
+login clears the address's failures. The address is the connection's peer,
+so behind a proxy every client shares the proxy's budget.
+
 Not here: checking the key (`gateway.auth.KeyAuthenticator`), the routes (`routes`).
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from clora_feedback.errors import AuthenticationError, PermissionDeniedError
+from clora_feedback.errors import AuthenticationError, OverloadedError, PermissionDeniedError
 
 COOKIE_NAME = "clora_console"
 CSRF_HEADER = "X-CSRF-Token"
@@ -109,3 +117,59 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+
+class LoginLimiter:
+    """Failed console logins per client address in a sliding window; thread-safe, bounded.
+
+    Args:
+        failures: failed logins an address may make per window.
+        window_s: the window's length in seconds.
+        max_addresses: most addresses tracked; one more forgets the least recently failed.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        failures: int,
+        *,
+        window_s: float = 60.0,
+        max_addresses: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._failures = failures
+        self._window_s = window_s
+        self._max = max_addresses
+        self._clock = clock
+        self._seen: OrderedDict[str, deque[float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, address: str) -> None:
+        """Raise `OverloadedError` (429, `retry_after_s`) when `address` used up its failures."""
+        now = self._clock()
+        with self._lock:
+            times = self._seen.get(address)
+            while times and times[0] <= now - self._window_s:
+                times.popleft()
+            if times is None or len(times) < self._failures:
+                return
+            wait = times[0] + self._window_s - now
+        raise OverloadedError(
+            f"too many failed console logins from this address; retry in {math.ceil(wait)} s",
+            retry_after_s=max(1.0, float(math.ceil(wait))),
+            code="too_many_login_attempts",
+        )
+
+    def failed(self, address: str) -> None:
+        """Count a failed login of `address`."""
+        with self._lock:
+            times = self._seen.pop(address, None) or deque(maxlen=self._failures)
+            times.append(self._clock())
+            self._seen[address] = times  # most recently failed last
+            while len(self._seen) > self._max:
+                self._seen.popitem(last=False)
+
+    def succeeded(self, address: str) -> None:
+        """Forget `address`'s failures (the admin key was right)."""
+        with self._lock:
+            self._seen.pop(address, None)

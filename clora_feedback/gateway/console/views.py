@@ -3,9 +3,11 @@
 `ConsoleViews` builds plain JSON-ready dicts (the routes return them as is):
 
 - `agents_page`: one row per agent, searched, sorted and paged server-side, so
-  a thousand agents cost one registry listing plus the work for one page's
-  rows (request and feedback counts, a reward sparkline, the serving
-  version's step metrics);
+  a thousand agents cost one registry listing, two grouped reads of the recent
+  window (requests per agent from the trajectory store, feedback events and
+  mean reward per agent from the feedback store) and the work for one page's
+  rows (request and feedback totals, a reward sparkline, the serving version's
+  step metrics, the engine replica);
 - `agent_detail`: an agent's versions (state, parent, step, loss, samples,
   staleness, reward from the step metrics the trainer recorded), its rewards
   over time with the version that served each, and the timeline of publishes
@@ -14,10 +16,16 @@
   and output text only when `console.show_text` allows (the page renders it
   as text, never as HTML).
 
-Sorting is by what the registry listing holds (name, serving version,
-versions, pinned, last pointer move); counts and rewards are read for the rows
-of the page only. Release-gate verdicts and canary arms are not shown: the
-registry records neither yet.
+Rates are over the last `RATE_WINDOW_S` seconds (5 minutes): requests per
+minute counts the completions stored in it, feedback per minute the feedback
+events received in it (any state), and the recent reward is the mean reward,
+under the current policy, of the samples the joined events among them judge
+(None when none did). Sorting is by what the registry listing holds (name,
+serving version, versions, pinned, last pointer move) or by those window
+figures (`reward`, `traffic`: requests per minute), for every matching agent
+before paging; totals and sparklines are read for the rows of the page only.
+Release-gate verdicts and canary arms are not shown: the registry records
+neither yet.
 
 Not here: authentication and actions (`routes`), the live change feed (`live`).
 """
@@ -25,16 +33,22 @@ Not here: authentication and actions (`routes`), the live change feed (`live`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from clora_feedback.errors import InvalidRequestError, NotFoundError
-from clora_feedback.feedback.store import RewardPoint
+from clora_feedback.feedback.store import AgentActivity, RewardPoint
 from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryRecord
 from clora_feedback.store.versions import AdapterStore, AgentInfo, VersionInfo
 
-SortKey = Literal["name", "version", "versions", "pinned", "changed"]
-SORT_KEYS: tuple[str, ...] = ("name", "version", "versions", "pinned", "changed")
+SortKey = Literal["name", "version", "versions", "pinned", "changed", "reward", "traffic"]
+SORT_KEYS: tuple[str, ...] = (
+    "name", "version", "versions", "pinned", "changed", "reward", "traffic"
+)  # fmt: skip
+RATE_WINDOW_S = 300.0
+"""The recent window of the per-minute rates and the recent reward, in seconds."""
 MAX_PAGE = 100
 SPARK_POINTS = 30
 CHART_POINTS = 500
@@ -52,6 +66,32 @@ class FeedbackReader(Protocol):
 
     def rewards_for(self, completion_id: str) -> list[dict[str, Any]]: ...
 
+    def activity_since(self, since: float) -> dict[str, AgentActivity]: ...
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Every agent's figures over the last `RATE_WINDOW_S` seconds (agents with none absent)."""
+
+    requests: dict[str, int]
+    feedback: dict[str, AgentActivity]
+
+    def fields(self, agent: str) -> dict[str, Any]:
+        """The row fields of `agent`: rates per minute and the recent mean reward."""
+        activity = self.feedback.get(agent)
+        mean = None if activity is None else activity.reward_mean
+        return {
+            "requests_per_min": _per_min(self.requests.get(agent, 0)),
+            "feedback_per_min": _per_min(0 if activity is None else activity.events),
+            "reward_recent": None if mean is None else round(mean, 4),
+            "reward_judged": 0 if activity is None else activity.judged,
+            "window_s": RATE_WINDOW_S,
+        }
+
+
+def _per_min(count: int) -> float:
+    return round(count * 60.0 / RATE_WINDOW_S, 2)
+
 
 def _unknown_agent(agent: str) -> NotFoundError:
     return NotFoundError(f"no agent {agent!r}", param="agent", code="agent_not_found")
@@ -66,6 +106,9 @@ class ConsoleViews:
         trajectories: the gateway's trajectory store (started by the gateway).
         serving: names of the agents the gateway serves (listed even without versions).
         show_text: include prompt and output text of trajectories.
+        replica_of: the engine's `Engine.replica_of` (where an agent is served); None
+            shows no replica.
+        clock: seconds since the epoch (tests pass their own).
     """
 
     def __init__(
@@ -76,12 +119,16 @@ class ConsoleViews:
         serving: Callable[[], Sequence[str]],
         *,
         show_text: bool,
+        replica_of: Callable[[str], str | None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._registry = registry
         self._feedback = feedback
         self._trajectories = trajectories
         self._serving = serving
         self.show_text = show_text
+        self._replica_of = replica_of
+        self._clock = clock
 
     # -- agents page ------------------------------------------------------------------
 
@@ -90,6 +137,15 @@ class ConsoleViews:
         for name in self._serving():
             known.setdefault(name, None)
         return known
+
+    async def _window(self) -> _Window:
+        since = self._clock() - RATE_WINDOW_S
+        requests = await self._trajectories.counts_since(since)
+        feedback = await asyncio.to_thread(self._feedback.activity_since, since)
+        return _Window(requests, feedback)
+
+    def _replica(self, agent: str) -> str | None:
+        return None if self._replica_of is None else self._replica_of(agent)
 
     async def agents_page(
         self, *, query: str, sort: str, descending: bool, offset: int, limit: int
@@ -102,14 +158,15 @@ class ConsoleViews:
         if offset < 0:
             raise InvalidRequestError("offset must be >= 0", param="offset")
         known = await asyncio.to_thread(self._all_agents)
+        window = await self._window()
         needle = query.strip().lower()
         names = [n for n in known if needle in n.lower()]
-        names.sort(key=lambda n: (_sort_value(known[n], sort), n), reverse=descending)
+        names.sort(key=lambda n: (_sort_value(n, known[n], window, sort), n), reverse=descending)
         page = names[offset : offset + limit]
-        rows = await asyncio.gather(*(self._row(n, known[n]) for n in page))
+        rows = await asyncio.gather(*(self._row(n, known[n], window) for n in page))
         return {"object": "list", "total": len(names), "offset": offset, "data": list(rows)}
 
-    async def _row(self, name: str, info: AgentInfo | None) -> dict[str, Any]:
+    async def _row(self, name: str, info: AgentInfo | None, window: _Window) -> dict[str, Any]:
         def read() -> tuple[VersionInfo | None, dict[str, int], list[RewardPoint]]:
             active = self._registry.active(name) if info is not None else None
             counts = self._feedback.state_counts(name)
@@ -121,9 +178,11 @@ class ConsoleViews:
             **_agent_fields(name, info),
             "requests": requests,
             "feedback": _counts(counts),
+            **window.fields(name),
             "rewards": [round(p.reward, 4) for p in rewards],
             "staleness": _metric(active, "staleness_mean"),
             "last_step_at": None if active is None else active.created_at,
+            "replica": self._replica(name),
         }
 
     # -- one agent -----------------------------------------------------------------------
@@ -145,10 +204,13 @@ class ConsoleViews:
             return info, versions, rewards, self._feedback.state_counts(agent)
 
         info, versions, rewards, counts = await asyncio.to_thread(read)
+        window = await self._window()
         return {
             **_agent_fields(agent, info),
             "requests": await self._trajectories.count(agent),
             "feedback": _counts(counts),
+            **window.fields(agent),
+            "replica": self._replica(agent),
             "versions": [_version_row(v) for v in versions],
             "rewards": [
                 {"t": p.created_at, "reward": p.reward, "version": p.adapter_version}
@@ -194,8 +256,15 @@ class ConsoleViews:
         return row
 
 
-def _sort_value(info: AgentInfo | None, sort: str) -> tuple[int, float | str]:
-    """A comparable key; agents without registry data sort as the lowest value."""
+def _sort_value(name: str, info: AgentInfo | None, window: _Window, sort: str) -> tuple[int, float]:
+    """A comparable key; agents without the figure (no registry data, no recent reward)
+    sort as the lowest value."""
+    if sort == "traffic":
+        return (1, float(window.requests.get(name, 0)))
+    if sort == "reward":
+        activity = window.feedback.get(name)
+        mean = None if activity is None else activity.reward_mean
+        return (0, 0.0) if mean is None else (1, mean)
     if sort == "name" or info is None:
         return (0, 0.0)
     value = {

@@ -192,6 +192,21 @@ function feedbackText(f) {
   return f.joined || f.parked || f.dead ? parts.join(" · ") : "no feedback yet";
 }
 
+function perMin(value) {
+  return `${fmtNum(value)}/min`;
+}
+
+function rateCell(rate, total, cls) {
+  // The rate over the last 5 minutes; the total since the start below it.
+  return el("td", { class: `num ${cls}` }, perMin(rate), el("br"), el("small", { class: "note" }, total));
+}
+
+function recentReward(row) {
+  if (row.reward_recent === null) return el("span", { class: "note" }, "–");
+  return el("span", { title: `mean of ${row.reward_judged} judged samples in the last ${Math.round(row.window_s / 60)} minutes` },
+    fmtNum(row.reward_recent));
+}
+
 function renderAgents(page) {
   const body = $("agents-table").tBodies[0];
   body.replaceChildren();
@@ -205,10 +220,12 @@ function renderAgents(page) {
       el("td", null, row.pinned ? el("span", { class: "badge pinned" }, "pinned") : "no"),
       el("td", { class: "num" }, row.num_versions),
       el("td", null, sparkline(row.rewards)),
-      el("td", { class: "num" }, row.requests),
-      el("td", null, feedbackText(row.feedback)),
+      el("td", { class: "num reward-recent" }, recentReward(row)),
+      rateCell(row.requests_per_min, `${row.requests} total`, "requests"),
+      rateCell(row.feedback_per_min, feedbackText(row.feedback), "feedback"),
       el("td", { class: "num" }, fmtNum(row.staleness)),
       el("td", null, ago(row.last_step_at)),
+      el("td", { class: "replica" }, row.replica ?? "–"),
     ));
   }
   $("agents-empty").hidden = page.total > 0;
@@ -277,9 +294,11 @@ function renderAgent(d) {
     summaryItem("Serving", el("span", { id: "serving-version" }, serving)),
     summaryItem("Pinned", el("span", { id: "pinned-state" }, d.pinned ? "pinned: training frozen" : "no")),
     summaryItem("Versions", d.num_versions),
-    summaryItem("Requests", d.requests),
-    summaryItem("Feedback", feedbackText(d.feedback)),
+    summaryItem("Requests", el("span", { id: "requests-rate" }, `${perMin(d.requests_per_min)} (5 min) · ${d.requests} total`)),
+    summaryItem("Feedback", el("span", { id: "feedback-rate" }, `${perMin(d.feedback_per_min)} (5 min) · ${feedbackText(d.feedback)}`)),
+    summaryItem("Reward (5 min)", el("span", { id: "reward-recent" }, recentReward(d))),
     summaryItem("Mean reward (shown)", mean === null ? "no feedback yet" : fmtNum(mean)),
+    summaryItem("Engine replica", el("span", { id: "replica" }, d.replica ?? "–")),
   );
   const pin = $("pin-button");
   pin.textContent = d.pinned ? "Unpin (let training publish)" : "Pin (freeze training)";
