@@ -203,3 +203,26 @@ def test_cli_prune_runs_one_pass_on_the_settings_stores(tmp_path: Path) -> None:
     assert json.loads(done.stdout)["pruned"] == {"a": [1, 2]}
     with AdapterRegistry(settings.adapters_dir, settings.registry_db_url) as registry:
         assert [v.payload_pruned for v in registry.versions("a")] == [True, True, False, False]
+
+
+async def test_retention_runs_in_the_background_until_stopped(tmp_path: Path) -> None:
+    import asyncio
+
+    trajectories = TrajectoryStore(tmp_path / "t.db")
+    _record(trajectories, "old", "a", "k", time.time() - 100)
+    registry = AdapterRegistry(tmp_path / "adapters")
+    config = RetentionConfig(interval_s=0.05, trajectory_ttl_s=10)
+    retention = Retention(registry, config, trajectories=trajectories)
+    await retention.start()
+    for _ in range(200):
+        if retention.last is not None:
+            break
+        await asyncio.sleep(0.02)
+    await retention.stop()
+    assert retention.last is not None and retention.last.trajectories_deleted == 1
+    assert trajectories.count() == 0
+    off = Retention(registry, RetentionConfig(enabled=False))
+    await off.start()
+    assert off._task is None  # disabled: nothing runs
+    registry.close()
+    trajectories.close()

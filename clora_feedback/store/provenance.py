@@ -62,6 +62,7 @@ TOKENIZER_FILES = (
 _WINDOWS = 4
 _WINDOW_BYTES = 64 * 1024
 _PARTS = ("weights", "tokenizer", "chat_template")
+_WARNED: set[str] = set()  # versions already warned about (no digests)
 _PART_NAMES = {
     "weights": "base weights",
     "tokenizer": "tokenizer",
@@ -190,8 +191,10 @@ def check_manifest(manifest: Mapping[str, Any], served: BaseIdentity | None, *, 
         return
     recorded = manifest.get("base")
     if not isinstance(recorded, Mapping):
-        log.warning("%s: its manifest records no base model digests (made before provenance); "
-                    "loading it unchecked beyond its shapes", what)  # fmt: skip
+        if what not in _WARNED:  # once per version and process: the trainer reloads it
+            _WARNED.add(what)
+            log.warning("%s: its manifest records no base model digests (made before "
+                        "provenance); loading it unchecked beyond its shapes", what)  # fmt: skip
         return
     differs = mismatch(recorded, served)
     if differs:

@@ -582,7 +582,7 @@ class AdapterRegistry:
         info = self.get(agent, version)
         if info.pruned_at is not None:
             raise _pruned(agent, version)
-        what = f"agent {agent!r} version {version}"
+        what = f"agent {agent!r} version {version} ({info.path})"
         provenance.check_manifest(read_manifest(info.path), self.base_identity, what=what)
         return info
 
