@@ -3,7 +3,8 @@
 One gateway built by `build_service` on the tiny model, with the trainer on: six
 completions get feedback through the webhook and the trainer publishes
 versions 1 and 2 from it. The browser logs in with the admin key, sees the
-agent on the agents page, opens it, finds one chart point per reward, rolls
+agent on the agents page with its request and feedback rates, recent reward and
+engine replica, sorts by traffic and by reward, opens it, finds one chart point per reward, rolls
 back (the page and `GET /v1/adapters` both say v1), sees a rollback made
 elsewhere arrive over the live feed without a reload, pins and unpins, and
 shows a prompt holding `<script>` as text. Screenshots of both pages go to
@@ -163,6 +164,20 @@ def test_the_console_in_a_browser(
     assert row.locator("svg.spark polyline").count() == 1
     sales = page.locator("#agents-table tbody tr[data-agent='sales']")
     assert "no feedback yet" in sales.inner_text()
+    assert row.locator(".replica").inner_text() == "embedded"
+    requests_rate = float(row.locator(".requests").inner_text().split("/min")[0])
+    assert requests_rate > 0 and sales.locator(".requests").inner_text().startswith("0.00/min")
+    assert float(row.locator(".reward-recent").inner_text()) > 0
+    first_row = "#agents-table tbody tr:first-child"
+    page.get_by_label("Order").select_option("desc")
+    for sort in ("traffic", "reward"):  # the busier, better rewarded agent comes first
+        with page.expect_response(lambda r, s=sort: f"sort={s}&order=desc" in r.url) as answer:
+            page.get_by_label("Sort by").select_option(sort)
+        assert [r["agent"] for r in answer.value.json()["data"]] == ["support", "sales"]
+        page.wait_for_selector(f"{first_row}[data-agent='support']")
+    page.get_by_label("Sort by").select_option("name")
+    page.get_by_label("Order").select_option("asc")
+    page.wait_for_selector(f"{first_row}[data-agent='sales']")
     page.wait_for_selector("#live:text('live')")
     page.screenshot(path=str(shots / "console-agents.png"))
 
@@ -175,6 +190,8 @@ def test_the_console_in_a_browser(
     assert page.locator("#reward-chart line.ver").count() == last
     assert page.locator("#serving-version").inner_text() == f"v{last}"
     assert page.locator("#versions-table tbody tr").count() == last
+    assert page.locator("#replica").inner_text() == "embedded"
+    assert "/min (5 min)" in page.locator("#requests-rate").inner_text()
 
     # `<script>` in a prompt is text: shown as typed, never run.
     page.wait_for_selector("#trajectories-table tbody tr")
