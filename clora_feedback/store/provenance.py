@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from clora_feedback.errors import BaseMismatchError
+from clora_feedback.lora.peft_io import read_adapter_config
 
 log = logging.getLogger(__name__)
 
@@ -219,3 +220,31 @@ def check_name_hint(config: Mapping[str, Any], served: BaseIdentity | None, *, w
     if hint.rsplit("/", 1)[-1].lower() != served.name.rstrip("/").rsplit("/", 1)[-1].lower():
         log.warning("%s: adapter_config.json names base %r, the served base is %r "
                     "(a hint only: the shapes decide)", what, hint, served.name)  # fmt: skip
+
+
+def check_source(path: Path, served: BaseIdentity | None) -> dict[str, Any]:
+    """Check an adapter directory from outside the registry before it is imported.
+
+    A directory with our `manifest.json` (a copied version) is checked by its base
+    digests; a plain PEFT directory by its config's `base_model_name_or_path`, a hint
+    that is only logged. Shapes are checked when the tensors are read.
+
+    Returns:
+        Its `adapter_config.json`.
+
+    Raises:
+        AdapterError: the config is missing or malformed.
+        BaseMismatchError: its manifest records another base model.
+    """
+    config = read_adapter_config(path)
+    what = f"adapter {str(path)!r}"
+    manifest = path / "manifest.json"  # `artifact.MANIFEST_NAME`
+    if manifest.is_file():
+        try:
+            recorded = json.loads(manifest.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            recorded = {}
+        check_manifest(recorded if isinstance(recorded, dict) else {}, served, what=what)
+    else:
+        check_name_hint(config, served, what=what)
+    return config

@@ -54,12 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clora_feedback.errors import ConflictError, GoneError, InvalidRequestError, StoreError
-from clora_feedback.lora.peft_io import load_peft_adapter, read_adapter_config
+from clora_feedback.errors import ConflictError, InvalidRequestError, StoreError
+from clora_feedback.lora.peft_io import load_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
 from clora_feedback.store import provenance, registry_rows, registry_schema
 from clora_feedback.store.artifact import (
-    MANIFEST_NAME,
     OPTIMIZER_NAME,
     VersionDirs,
     read_manifest,
@@ -581,33 +580,20 @@ class AdapterRegistry:
         """
         info = self.get(agent, version)
         if info.pruned_at is not None:
-            raise _pruned(agent, version)
+            raise registry_rows.version_pruned(agent, version)
         what = f"agent {agent!r} version {version} ({info.path})"
         provenance.check_manifest(read_manifest(info.path), self.base_identity, what=what)
         return info
 
     def check_source(self, path: Path) -> dict[str, Any]:
-        """Check an adapter directory from outside the registry before it is imported.
-
-        A directory with our `manifest.json` (a copied version) is checked by its base
-        digests; a plain PEFT directory by its config's `base_model_name_or_path`, a hint
-        that is only logged. Shapes are checked when the tensors are read.
-
-        Returns:
-            Its `adapter_config.json`.
+        """`provenance.check_source` against this registry's `base_identity`: an adapter
+        directory from outside, checked before it is imported; returns its PEFT config.
 
         Raises:
             AdapterError: the config is missing or malformed.
             BaseMismatchError: its manifest records another base model.
         """
-        path = Path(path)
-        config = read_adapter_config(path)
-        what = f"adapter {str(path)!r}"
-        if (path / MANIFEST_NAME).is_file():
-            provenance.check_manifest(read_manifest(path), self.base_identity, what=what)
-        else:
-            provenance.check_name_hint(config, self.base_identity, what=what)
-        return config
+        return provenance.check_source(Path(path), self.base_identity)
 
     def record_probe(self, agent: str, version: int, result: Mapping[str, Any]) -> bool:
         """Record the no-op probe's `result` (JSON) on a version, once.
@@ -645,18 +631,7 @@ class AdapterRegistry:
             raise InvalidRequestError("retention must keep at least 1 version", param="keep_last")
         with self._dirs.lock():
             with self._transaction("prune") as conn:
-                active = registry_rows.require_agent(conn, agent, lock=True)[1]
-                rows = conn.execute(
-                    "SELECT version, pruned_at FROM versions WHERE agent = ? ORDER BY version DESC",
-                    (agent,),
-                ).fetchall()
-                kept = {v for v, _ in rows[:keep_last]} | set(keep) | {active}
-                doomed = sorted(v for v, pruned_at in rows if pruned_at is None and v not in kept)
-                for version in doomed:
-                    conn.execute(
-                        "UPDATE versions SET pruned_at = ? WHERE agent = ? AND version = ?",
-                        (time.time(), agent, version),
-                    )
+                doomed = registry_rows.mark_pruned(conn, agent, keep_last, keep, time.time())
             with self._translate("prune"):
                 for version in doomed:
                     self._dirs.prune_payload(agent, version)
@@ -707,7 +682,7 @@ class AdapterRegistry:
                 raise registry_rows.version_not_found(agent, version)
             check_pointer_move(agent, active, version, expected_active)
             if row[VERSION_COLUMNS.split(", ").index("pruned_at")] is not None:
-                raise _pruned(agent, version)
+                raise registry_rows.version_pruned(agent, version)
             conn.execute(
                 "UPDATE versions SET rolled_back_at = ?, rolled_back_reason = ? "
                 "WHERE agent = ? AND version > ? AND rolled_back_at IS NULL",
@@ -777,12 +752,3 @@ class AdapterRegistry:
             registry_rows.require_agent(conn, agent, lock=True)
             conn.execute("UPDATE agents SET pinned = ? WHERE agent = ?", (int(pinned), agent))
         return self.agent(agent)
-
-
-def _pruned(agent: str, version: int) -> GoneError:
-    return GoneError(
-        f"agent {agent!r} version {version}: retention pruned its weights (its manifest and "
-        "history are kept); it cannot be loaded or rolled back to",
-        param="version",
-        code="version_pruned",
-    )

@@ -3,16 +3,18 @@
 `AdapterRegistry` (see `registry`) owns the transactions; these functions run
 inside one (`Tx`): read an agent's row (locked `FOR UPDATE` on PostgreSQL when
 the caller is about to compare-and-set on it), read a version's row, and refuse
-a publish whose agent is pinned or whose parent is not the active version.
+a publish whose agent is pinned or whose parent is not the active version, and
+mark the versions retention prunes (`mark_pruned`).
 
 Not here: the tables (`index`), the writes and the files (`registry`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
-from clora_feedback.errors import ConflictError, NotFoundError
+from clora_feedback.errors import ConflictError, GoneError, NotFoundError
 from clora_feedback.store.db import Tx
 from clora_feedback.store.index import AGENT_COLUMNS, VERSION_COLUMNS
 
@@ -22,6 +24,40 @@ def version_not_found(agent: str, version: int, *, param: str = "version") -> No
     return NotFoundError(
         f"agent {agent!r} has no adapter version {version}", param=param, code="version_not_found"
     )
+
+
+def version_pruned(agent: str, version: int) -> GoneError:
+    """The error for a version whose payload retention pruned (410, `version_pruned`)."""
+    return GoneError(
+        f"agent {agent!r} version {version}: retention pruned its weights (its manifest and "
+        "history are kept); it cannot be loaded or rolled back to",
+        param="version",
+        code="version_pruned",
+    )
+
+
+def mark_pruned(
+    conn: Tx, agent: str, keep_last: int, keep: Collection[int], now: float
+) -> list[int]:
+    """Mark pruned every version of `agent` retention does not keep: not among the
+    `keep_last` newest, not active, not in `keep`. Locks the agent's row (a rollback
+    cannot interleave). Returns the versions marked now, ascending.
+
+    Raises:
+        NotFoundError: unknown agent.
+    """
+    active = require_agent(conn, agent, lock=True)[1]
+    rows = conn.execute(
+        "SELECT version, pruned_at FROM versions WHERE agent = ? ORDER BY version DESC", (agent,)
+    ).fetchall()
+    kept = {v for v, _ in rows[:keep_last]} | set(keep) | {active}
+    doomed = sorted(v for v, pruned_at in rows if pruned_at is None and v not in kept)
+    for version in doomed:
+        conn.execute(
+            "UPDATE versions SET pruned_at = ? WHERE agent = ? AND version = ?",
+            (now, agent, version),
+        )
+    return doomed
 
 
 def agent_row(conn: Tx, agent: str, *, lock: bool = False) -> tuple[Any, ...] | None:
