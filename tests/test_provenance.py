@@ -10,6 +10,7 @@ no-op probe runs on the embedded engine with its step loop.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import shutil
@@ -330,3 +331,39 @@ async def test_an_engine_that_reads_the_directory_is_checked_from_the_manifest(
     assert vllm_like.loaded == [v2] and deployer.serving("a") == v2
     assert "tokenizer" in caplog.text
     registry.close()
+
+
+async def test_a_trainer_handoff_is_probed_too(
+    tmp_path: Path, tiny_model_dir: Path, served: BaseIdentity
+) -> None:
+    from clora_feedback.engine.types import AdapterRef
+
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=128, num_threads=1)
+    eng = EmbeddedEngine(tiny_model_dir, config, model_name="tiny-base")
+    registry = AdapterRegistry(tmp_path / "adapters", base_identity=served)
+    probe = NoopProbe(eng, registry)
+    deployer = Deployer(eng, registry, on_installed=probe.schedule)
+    await eng.start()
+    try:
+        await deployer.start()
+        weights = random_lora_weights(eng.lora_limits, rank=4, seed=3, std=0.5)
+
+        def train_publish() -> None:  # what the trainer's thread does
+            version = registry.next_version("a")
+            with deployer.handoff(AdapterRef("a", version, None, weights)):
+                registry.publish(
+                    "a", weights, optimizer_state=None, base_model="tiny-base", parent=None,
+                    step=1, metrics={}, feedback_window=None, version=version,
+                )  # fmt: skip
+
+        await asyncio.to_thread(train_publish)
+        for _ in range(200):
+            if registry.get("a", 1).probe is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert registry.get("a", 1).noop is False
+    finally:
+        await deployer.stop()
+        await probe.stop()
+        await eng.stop()
+        registry.close()

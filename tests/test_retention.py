@@ -226,3 +226,35 @@ async def test_retention_runs_in_the_background_until_stopped(tmp_path: Path) ->
     assert off._task is None  # disabled: nothing runs
     registry.close()
     trajectories.close()
+
+
+def test_a_schema_2_registry_upgrades_in_place(tmp_path: Path, store_url: str) -> None:
+    from crash_prune_child import LIMITS
+
+    from clora_feedback.lora.weights import random_lora_weights
+    from clora_feedback.store.index import SCHEMA_VERSION
+    from clora_feedback.store.sql import set_pg_schema_version
+
+    with AdapterRegistry(tmp_path / "adapters", db=store_url) as registry:
+        for version in (1, 2):
+            registry.publish(
+                "a", random_lora_weights(LIMITS, rank=2, seed=version, target_modules=["q_proj"]),
+                optimizer_state=None, base_model="tiny", parent=version - 1 or None, step=version,
+                metrics={}, feedback_window=None,
+            )  # fmt: skip
+        with registry.database.write() as tx:  # back to what schema 2 had
+            for column in ("pruned_at", "probe"):
+                tx.execute(f"ALTER TABLE versions DROP COLUMN {column}")
+            if tx.dialect == "postgresql":
+                set_pg_schema_version(tx, "registry", 2)
+            else:
+                tx.execute("UPDATE schema_version SET version = 2")
+    with AdapterRegistry(tmp_path / "adapters", db=store_url) as registry:
+        assert [v.payload_pruned for v in registry.versions("a")] == [False, False]
+        assert registry.prune("a", keep_last=1) == [1]
+        assert registry.record_probe("a", 2, {"noop": False})
+        assert registry.get("a", 2).noop is False
+        with registry.database.read() as tx:
+            if tx.dialect == "sqlite":
+                version = tx.execute("SELECT max(version) FROM schema_version").fetchone()[0]
+                assert version == SCHEMA_VERSION == 3
