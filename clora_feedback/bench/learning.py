@@ -33,7 +33,10 @@ one `Resolution(outcome="escalated")` that names the right desk in its
 
 Run: `clora bench learning [--tasks api-call,routing,extract,escalation] [--minutes 10] [--seed 0]`.
 
-Not here: the task generators (`learning_tasks`), the service (`clora_feedback.service`).
+`--replot RECORD.json --out PREFIX` redraws the tables and the plot from a record.
+
+Not here: the task generators (`learning_tasks`), tables and plot (`learning_report`),
+the service (`clora_feedback.service`).
 """
 
 from __future__ import annotations
@@ -41,11 +44,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import logging
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +56,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clora_feedback.bench.learning_report import (
+    EvalPoint,
+    TaskRun,
+    code_version,
+    cpu_facts,
+    replot,
+    write,
+)
 from clora_feedback.bench.learning_tasks import (
     ESCALATION,
     FAMILIES,
@@ -66,7 +75,7 @@ from clora_feedback.bench.learning_tasks import (
     fields_right,
     first_line,
 )
-from clora_feedback.bench.report import format_facts, machine_facts
+from clora_feedback.bench.report import machine_facts
 from clora_feedback.config import Settings, TrainerConfig
 from clora_feedback.demo.experiment import ExperimentConfig, service_settings
 from clora_feedback.demo.heap import release_freed_memory
@@ -81,8 +90,6 @@ log = logging.getLogger(__name__)
 
 AGENT = "learner"
 """The agent name of every task (each task runs on its own fresh service)."""
-_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-"""The CPU flags that decide the engine's and trainer's kernels (reported when present)."""
 
 
 def resolutions_carry_answer() -> bool:
@@ -183,63 +190,6 @@ def answer_class(family: Family, reply: str | None) -> str:
     return fields_of(line).get("city") or "other"
 
 
-# -- records ---------------------------------------------------------------------------------
-
-
-@dataclass
-class EvalPoint:
-    """One held-out evaluation.
-
-    Attributes:
-        t_s: wall seconds since the users started (0: before any feedback).
-        version: the version served when the evaluation started.
-        versions: (lowest, highest) version that answered a held-out prompt.
-        accuracy: share of held-out prompts answered right (greedy).
-        top_class: the most common answer class (`answer_class`) and its share.
-        classes: count of every answer class.
-        live_accuracy: the users' accuracy since the previous evaluation (sampled replies).
-        requests: training requests sent so far.
-        events: feedback events sent so far.
-        eval_s: wall seconds the evaluation took.
-        wrong: up to three (request, reply) pairs it got wrong.
-    """
-
-    t_s: float
-    version: int
-    versions: tuple[int, int]
-    accuracy: float
-    top_class: tuple[str, float]
-    classes: dict[str, int]
-    live_accuracy: float | None
-    requests: int
-    events: int
-    eval_s: float
-    wrong: list[tuple[str, str]] = field(default_factory=list)
-
-
-@dataclass
-class TaskRun:
-    """One family's run: its evaluations and what the registry published."""
-
-    task: str
-    signals: str
-    feedback_mode: str
-    train_pairs: int
-    held_out_pairs: int
-    held_out: int
-    cold_start_s: float = 0.0
-    wall_s: float = 0.0
-    requests: int = 0
-    events: int = 0
-    rejected: int = 0
-    errors: int = 0
-    evals: list[EvalPoint] = field(default_factory=list)
-    versions: list[dict[str, Any]] = field(default_factory=list)
-
-    def first_reaching(self, accuracy: float) -> EvalPoint | None:
-        return next((e for e in self.evals if e.accuracy >= accuracy), None)
-
-
 @dataclass
 class _Live:
     """What the users have done so far (shared by the users and the monitor)."""
@@ -313,7 +263,6 @@ async def _user(
         try:
             sampling = Sampling(cfg.temperature, 1.0, rng.randrange(2**31))
             episode = await workload.run_episode(client, AGENT, prompt, sampling)
-            live.requests += 1
             events = workload.feedback(AGENT, prompt, episode, event_id=uuid.uuid4().hex)
             receipt = await sender.send(events)
         except asyncio.CancelledError:
@@ -323,6 +272,7 @@ async def _user(
             log.debug("simulated user failed", exc_info=True)
             await asyncio.sleep(1.0)
             continue
+        live.requests += 1  # counted with its feedback, so events >= requests at any time
         live.events += len(events)
         live.rejected += len(receipt.rejected)
         live.outcomes.append(episode.reward > 0)
@@ -473,123 +423,6 @@ def run_task(model_dir: Path, work_dir: Path, family: Family, cfg: LearningConfi
     return run
 
 
-# -- the report ------------------------------------------------------------------------------
-
-
-def task_table(run: TaskRun) -> str:
-    """Markdown: one line per evaluation of one task."""
-    lines = [
-        f"**{run.task}** ({run.signals}; {run.train_pairs} training pairs, "
-        f"{run.held_out} held-out prompts over {run.held_out_pairs} unseen pairs)",
-        "",
-        "| t (s) | version | held-out accuracy | top answer (share) | live accuracy | requests | events |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for p in run.evals:
-        answered = f"v{p.version}" if p.versions[0] == p.versions[1] == p.version else (
-            f"v{p.version} (answered by v{p.versions[0]}-v{p.versions[1]})"
-        )  # fmt: skip
-        live = "-" if p.live_accuracy is None else f"{p.live_accuracy:.2f}"
-        lines.append(
-            f"| {p.t_s:.0f} | {answered} | {p.accuracy:.3f} | {p.top_class[0]} ({p.top_class[1]:.2f}) "
-            f"| {live} | {p.requests} | {p.events} |"
-        )
-    return "\n".join(lines)
-
-
-def summary_table(runs: Sequence[TaskRun]) -> str:
-    """Markdown: one line per task (before, best, last, time to 90%, versions, throughput)."""
-    lines = [
-        "| task | feedback | held-out before | best (t, version) | last (t, version) "
-        "| first >= 0.90 | versions | requests | events | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in runs:
-        before, last = r.evals[0], r.evals[-1]
-        best = max(r.evals, key=lambda e: e.accuracy)
-        hit = r.first_reaching(0.9)
-        reached = "never" if hit is None else f"{hit.t_s:.0f} s (v{hit.version})"
-        lines.append(
-            f"| {r.task} | {r.feedback_mode} | {before.accuracy:.3f} "
-            f"| {best.accuracy:.3f} ({best.t_s:.0f} s, v{best.version}) "
-            f"| {last.accuracy:.3f} ({last.t_s:.0f} s, v{last.version}) | {reached} "
-            f"| {len(r.versions)} | {r.requests} | {r.events} | {r.wall_s:.0f} |"
-        )
-    return "\n".join(lines)
-
-
-def cpu_facts() -> dict[str, str]:
-    """`report.machine_facts` plus the CPU flags that choose kernels and torch's view of them."""
-    facts = machine_facts()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        flags = []
-    facts["cpu flags (kernel-relevant)"] = " ".join(f for f in _CPU_FLAGS if f in flags) or "-"
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        facts["cpu capability (torch)"] = str(torch.backends.cpu.get_cpu_capability())
-    return facts
-
-
-def code_version() -> str:
-    """The checkout's commit, and how many package files differ from it (figures move with
-    uncommitted trainer changes); `-` outside a git checkout."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-            check=True, timeout=10,
-        ).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "clora_feedback"], cwd=root,
-            capture_output=True, text=True, check=True, timeout=10,
-        ).stdout.splitlines()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "-"
-    return f"{head} + {len(dirty)} uncommitted package files" if dirty else head
-
-
-def plot(path: Path, runs: Sequence[TaskRun]) -> Path:
-    """Held-out accuracy against wall time, one panel per task, each point labelled by version."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.6), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
-        ts, acc = [e.t_s / 60 for e in run.evals], [e.accuracy for e in run.evals]
-        ax.plot(ts, acc, marker="o", linewidth=1.5)
-        for t, a, e in zip(ts, acc, run.evals, strict=True):
-            ax.annotate(f"v{e.version}", (t, a), textcoords="offset points", xytext=(0, 5),
-                        fontsize=7, ha="center")  # fmt: skip
-        ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
-        ax.set(title=run.task, xlabel="wall time (min)", ylim=(-0.05, 1.08))
-    axes[0][0].set_ylabel("held-out accuracy (greedy)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write(prefix: Path, cfg: LearningConfig, runs: Sequence[TaskRun], facts: dict[str, str]) -> str:
-    """Print and write the tables (PREFIX.md), the record (PREFIX.json) and the plot (PREFIX.png)."""
-    text = "\n\n".join([summary_table(runs), *(task_table(r) for r in runs), format_facts(facts)])
-    print("\n" + text, flush=True)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".md").write_text(text + "\n")
-    record = {"config": asdict(cfg), "facts": facts, "tasks": [asdict(r) for r in runs]}
-    prefix.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    try:
-        plot(prefix.with_suffix(".png"), runs)
-    except ImportError as exc:  # the tables and the JSON are the record
-        print(f"no plot ({exc}): pip install matplotlib")
-    return text
-
-
 # -- entry point -----------------------------------------------------------------------------
 
 
@@ -612,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores).")  # fmt: skip
     p.add_argument("--model", default=None, help="Base model (default: the embedded default).")
     p.add_argument("--work", type=Path, default=None, help="Stores and adapters (default: a temporary directory).")  # fmt: skip
+    p.add_argument("--replot", type=Path, default=None, help="Redraw OUT.* from this JSON record; run nothing.")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("var/bench/learning"), help="Writes OUT.json, OUT.md, OUT.png.")  # fmt: skip
     return p
 
@@ -619,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str]) -> int:
     """`clora bench learning [options]`; returns the exit status."""
     args = build_parser().parse_args(list(argv))
+    if args.replot is not None:
+        replot(args.replot, args.out)
+        return 0
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     unknown = [t for t in tasks if t not in FAMILIES]
     if unknown or not tasks:
@@ -645,7 +482,7 @@ def run(argv: Sequence[str]) -> int:
     facts["load average at start"] = load_before
     facts["model"] = str(args.model or DEFAULT_MODEL)
     facts["code"] = code_version()
-    write(args.out, cfg, runs, facts)
+    write(args.out, asdict(cfg), runs, facts)
     return 0
 
 
