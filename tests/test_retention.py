@@ -59,6 +59,8 @@ def test_kill_during_prune_leaves_no_half_state(tmp_path: Path, store_url: str, 
                 assert not files & set(payload_names(True))
                 with pytest.raises(GoneError):
                     registry.load("a", version)
+                with pytest.raises(GoneError):
+                    registry.verify("a", version)
             else:
                 registry.verify("a", version)
                 registry.load("a", version)

@@ -531,9 +531,12 @@ class AdapterRegistry:
 
         Raises:
             NotFoundError: unknown agent or version.
+            GoneError: retention pruned its payload (`version_pruned`): nothing to verify.
             StoreError: a file is missing or changed (`content_hash_mismatch`).
         """
         info = self.get(agent, version)
+        if info.pruned_at is not None:
+            raise registry_rows.version_pruned(agent, version)
         verify_version_dir(
             info.path, info.content_hash, has_optimizer_state=info.has_optimizer_state
         )
