@@ -1,8 +1,9 @@
 """The operator console at `/console`: one page per question "is my agent learning, and is it safe?".
 
 A login with the admin key (an HttpOnly, SameSite=Strict session cookie, a CSRF
-token on every action), the agents page (search, sort, server-side paging,
-reward sparklines), an agent's page (reward over time with version markers
+token on every action, failed logins limited per address), the agents page
+(search, sort, server-side paging, reward sparklines, requests and feedback per
+minute, the recent reward, the engine replica), an agent's page (reward over time with version markers
 and rollbacks, the versions table, rollback and pin/unpin with confirmation,
 recent trajectories with their feedback) and a live feed of changes over
 server-sent events. Every asset ships in `static/` (plain HTML, CSS and
