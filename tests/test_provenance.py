@@ -367,3 +367,41 @@ async def test_a_trainer_handoff_is_probed_too(
         await probe.stop()
         await eng.stop()
         registry.close()
+
+
+def test_the_service_wires_identity_probe_and_retention(
+    tmp_path: Path, tiny_model_dir: Path, served: BaseIdentity
+) -> None:
+    from clora_feedback.config import RetentionConfig, TrainerConfig
+    from clora_feedback.service import build_service
+
+    settings = Settings(
+        data_dir=tmp_path / "var",
+        adapters_dir=tmp_path / "adapters",
+        engine=EngineConfig(model=str(tiny_model_dir), max_model_len=256, num_threads=1),
+        trainer=TrainerConfig(enabled=False),
+        retention=RetentionConfig(keep_last=1, interval_s=0.1),
+    )
+    service = build_service(settings)
+    assert service.registry.base_identity is not None
+    assert service.registry.base_identity.weights == served.weights  # the name is informative
+    plain = tmp_path / "plain"
+    save_peft_adapter(_weights(service.engine, 1), plain, base_model="tiny-base")  # type: ignore[arg-type]
+    with TestClient(service.app) as client:
+        for _ in range(2):
+            body = {"lora_name": "a", "lora_path": str(plain), "load_inplace": True}
+            assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
+        bad = _mismatched_copy(service.registry, 2, tmp_path)
+        body = {"lora_name": "a", "lora_path": str(bad), "load_inplace": True}
+        refused = client.post("/v1/load_lora_adapter", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "base_mismatch"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the retention pass and the probe, in the background
+            listed = client.get("/v1/adapters/a/versions").json()["data"]
+            if listed[0]["payload_pruned"] and listed[1]["noop"] is not None:
+                break
+            time.sleep(0.1)
+        assert [v["payload_pruned"] for v in listed] == [True, False]
+        assert listed[1]["noop"] is False and listed[1]["status"] == "active"
+        rollback = client.post("/v1/adapters/a/rollback", json={"version": 1})
+        assert rollback.status_code == 410 and rollback.json()["error"]["code"] == "version_pruned"
