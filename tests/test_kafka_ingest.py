@@ -151,7 +151,7 @@ async def test_rewards_join_the_right_trajectories(
         ("c1", 0, "def f(): return 2")
     ]
     expected_c1 = DefaultRewardPolicy(FeedbackConfig()).signal(events[0], "def f(): return 1").value
-    assert a1[0]["value"] == pytest.approx(expected_c1) and 0 < a1[0]["value"] < 1
+    assert a1[0]["value"] == pytest.approx(expected_c1) == 0.0  # corrected: the target, no credit
     a2 = feedback_store.rewards_for("chatcmpl-a2")
     assert [(r["event_id"], r["sample_index"]) for r in a2] == [("r1", 0), ("r1", 1)]
     assert all(r["value"] == pytest.approx(0.5 * 1.0 + 0.5 * 0.6) for r in a2)

@@ -204,7 +204,9 @@ def test_batch_of_kinds(start: Start, store: FeedbackStore) -> None:
     assert response.json()["joined"] == ["r1", "k1", "w1"]
     assert [r["value"] for r in store.rewards_for("c-support-2")] == [-1.0]
     (fix,) = store.rewards_for("c-support")
-    assert fix["target"] == "hello world!" and 0.9 < fix["value"] < 1.0
+    assert (
+        fix["target"] == "hello world!" and fix["value"] == 0.0
+    )  # corrected: no credit for closeness
     assert [r["value"] for r in store.rewards_for("c-sales")] == [0.25]
 
 
