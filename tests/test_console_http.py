@@ -26,7 +26,7 @@ from conftest import GatewayServer, serve_app
 from clora_feedback.config import Settings
 from clora_feedback.errors import OverloadedError
 from clora_feedback.feedback.store import Incoming
-from clora_feedback.gateway.console import live
+from clora_feedback.gateway.console import live, views
 from clora_feedback.gateway.console.sessions import COOKIE_NAME, LoginLimiter, SessionStore
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.schemas.feedback import Reward
@@ -188,7 +188,10 @@ def test_logout_ends_the_session(keyed: tuple[Service, GatewayServer]) -> None:
         assert replay.get("/console/api/agents").status_code == 401
 
 
-def test_agent_detail_and_trajectories(keyed: tuple[Service, GatewayServer]) -> None:
+def test_agent_detail_and_trajectories(
+    keyed: tuple[Service, GatewayServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(views, "WINDOW_TTL_S", 0.0)  # read the window afresh
     _, gateway = keyed
     client = gateway.openai(api_key=ADMIN)
     client.chat.completions.create(
@@ -248,7 +251,7 @@ def test_a_thousand_agents_page_fast(tiny_model_dir: Path, tmp_path: Path) -> No
 
 
 def test_rates_replica_and_the_sorts_by_reward_and_traffic(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agents = [{"name": "alpha"}, {"name": "beta"}, {"name": "gamma"}]
     service = build_service(_settings(tiny_model_dir, tmp_path, agents=agents))
@@ -273,6 +276,7 @@ def test_rates_replica_and_the_sorts_by_reward_and_traffic(
             for cid in served[agent]
         ]
         assert len(service.feedback.apply(events).joined) == 4
+        monkeypatch.setattr(views, "WINDOW_TTL_S", 3600.0)  # the first read serves until reset
         http.get("/console/api/session")
 
         def order(sort: str) -> list[str]:
@@ -290,6 +294,19 @@ def test_rates_replica_and_the_sorts_by_reward_and_traffic(
         assert rows["alpha"]["reward_recent"] > rows["beta"]["reward_recent"]
         assert rows["gamma"]["requests_per_min"] == 0.0 and rows["gamma"]["reward_recent"] is None
         assert {r["replica"] for r in rows.values()} == {"embedded"}
+
+        # One read of the window serves every page for `WINDOW_TTL_S`.
+        client.chat.completions.create(
+            model="gamma", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        while service.trajectories.store.count() < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        gamma = http.get("/console/api/agents/gamma").json()
+        assert gamma["requests_per_min"] == 0.0  # the cached read
+        monkeypatch.setattr(views, "WINDOW_TTL_S", 0.0)
+        gamma = http.get("/console/api/agents/gamma").json()
+        assert gamma["requests_per_min"] == pytest.approx(60 / 300, abs=0.01)
 
 
 def test_failed_logins_are_limited_per_address(tiny_model_dir: Path, tmp_path: Path) -> None:
