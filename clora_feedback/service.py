@@ -113,6 +113,24 @@ def _consumer_families(pipeline: FeedbackPipeline) -> list[Family]:
     ]  # fmt: skip
 
 
+def _retention_families(retention: Retention, probe: NoopProbe | None) -> list[Family]:
+    totals = retention.totals
+    families = [
+        Family("clora_retention_pruned_versions_total", "counter",
+               "Adapter versions whose payload retention pruned.", (), {"": totals["pruned_versions"]}),
+        Family("clora_retention_trajectories_deleted_total", "counter",
+               "Trajectories deleted by retention.trajectory_ttl_s.", (),
+               {"": totals["trajectories_deleted"]}),
+    ]  # fmt: skip
+    if probe is not None:
+        families.append(
+            Family("clora_probe_versions_total", "counter",
+                   "Adapter versions the no-op probe ran on, by result (noop, changed).",
+                   ("result",), {k: float(v) for k, v in probe.counts.items()})
+        )  # fmt: skip
+    return families
+
+
 @dataclass(frozen=True)
 class Service:
     """Everything `build_service` built; `app` serves it, the rest is for callers to read.
@@ -258,7 +276,8 @@ def build_service(settings: Settings) -> Service:
     if probe is not None:
         components.append(probe)
     # Prunes old adapter payloads and (with a TTL) old trajectories, every interval.
-    components.append(Retention(registry, settings.retention, trajectories=feedback.trajectories))
+    retention = Retention(registry, settings.retention, trajectories=feedback.trajectories)
+    components.append(retention)
     if trainer is not None:
         components.append(trainer)
     guard = None
@@ -293,6 +312,7 @@ def build_service(settings: Settings) -> Service:
     if trainer is not None:
         app.state.gateway.metrics.add_source(functools.partial(_trainer_families, trainer))
     app.state.gateway.metrics.add_source(lambda: _consumer_families(pipeline))
+    app.state.gateway.metrics.add_source(functools.partial(_retention_families, retention, probe))
     return Service(
         app=app,
         engine=engine,

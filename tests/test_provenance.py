@@ -403,5 +403,8 @@ def test_the_service_wires_identity_probe_and_retention(
             time.sleep(0.1)
         assert [v["payload_pruned"] for v in listed] == [True, False]
         assert listed[1]["noop"] is False and listed[1]["status"] == "active"
+        metrics = client.get("/metrics").text
+        assert "clora_retention_pruned_versions_total 1" in metrics
+        assert 'clora_probe_versions_total{result="changed"}' in metrics
         rollback = client.post("/v1/adapters/a/rollback", json={"version": 1})
         assert rollback.status_code == 410 and rollback.json()["error"]["code"] == "version_pruned"

@@ -75,6 +75,8 @@ class NoopProbe:
         self._task: asyncio.Task[None] | None = None
         self.results: dict[tuple[str, int], dict[str, Any]] = {}
         """Results of this process's probes, by (agent, version) (tests and logs read it)."""
+        self.counts = {"noop": 0, "changed": 0}
+        """Versions probed here, by result (`/metrics`: `clora_probe_versions_total`)."""
 
     def schedule(self, agent: str, version: int) -> None:
         """Queue a probe of `agent`'s `version` (on the event loop; never blocks)."""
@@ -123,6 +125,7 @@ class NoopProbe:
             "at": time.time(),
         }
         self.results[(agent, version)] = result
+        self.counts["noop" if noop else "changed"] += 1
         await asyncio.to_thread(self.registry.record_probe, agent, version, result)
         if noop:
             log.warning("agent %s: version %d answers the %d probe prompts exactly like the "

@@ -75,6 +75,8 @@ class Retention(BackgroundTask):
         self.keep = keep
         self.last: RetentionReport | None = None
         """The last pass's report."""
+        self.totals = {"passes": 0, "pruned_versions": 0, "trajectories_deleted": 0}
+        """Counts since start (`/metrics`: `clora_retention_*_total`)."""
 
     def _should_run(self) -> bool:
         return self.config.enabled
@@ -101,6 +103,9 @@ class Retention(BackgroundTask):
             cutoff = (time.time() if now is None else now) - ttl
             report.trajectories_deleted = self.trajectories.delete(before=cutoff)
         report.seconds = time.perf_counter() - started
+        self.totals["passes"] += 1
+        self.totals["pruned_versions"] += sum(map(len, report.pruned.values()))
+        self.totals["trajectories_deleted"] += report.trajectories_deleted
         if report.pruned or report.trajectories_deleted:
             log.info("retention: pruned %s, deleted %d trajectories in %.3f s", report.pruned,
                      report.trajectories_deleted, report.seconds)  # fmt: skip
