@@ -115,3 +115,23 @@ def test_window_reads_are_driven_by_indexes(tmp_path: Path) -> None:
         assert not any(s.startswith("SCAN") for s in steps), (sql, steps)
         assert any(index in s for s in steps), (sql, steps)
     conn.close()
+
+
+@pytest.mark.postgres
+def test_window_reads_can_be_served_by_indexes_on_postgresql(postgres_url: str) -> None:
+    """PostgreSQL scans tiny tables whole; with scans made dear it uses the time indexes."""
+    import psycopg
+
+    with TrajectoryStore(postgres_url) as trajectories:
+        FeedbackStore(postgres_url, trajectories=trajectories,
+                      policy=DefaultRewardPolicy(FeedbackConfig())).close()  # fmt: skip
+    with psycopg.connect(postgres_url) as conn:
+        conn.execute("SET enable_seqscan = off")
+        for sql, index in (
+            (COUNTS_SINCE, "completions_by_time"),
+            (ACTIVITY_EVENTS, "feedback_by_state"),
+            (ACTIVITY_JOINS, "feedback_by_state"),
+        ):
+            plan = conn.execute("EXPLAIN " + sql.replace("?", "%s"), (0.0,)).fetchall()
+            text = "\n".join(row[0] for row in plan)
+            assert index in text and "Seq Scan" not in text, (sql, text)
