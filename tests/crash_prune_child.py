@@ -46,6 +46,7 @@ def main() -> None:
             metrics={}, feedback_window=None,
         )  # fmt: skip
     registry.rollback("a", 4, reason="test")
+    registry.pin("a")  # a pinned agent: its serving version is kept like any active one
     if where == "before_commit":
         original = AdapterRegistry._transaction
 

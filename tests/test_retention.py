@@ -64,7 +64,7 @@ def test_kill_during_prune_leaves_no_half_state(tmp_path: Path, store_url: str, 
             else:
                 registry.verify("a", version)
                 registry.load("a", version)
-        assert registry.active("a").version == 4  # type: ignore[union-attr]
+        assert registry.active("a").version == 4 and registry.is_pinned("a")  # type: ignore[union-attr]
         # The prune runs again to completion: the same end state either way.
         assert registry.prune("a", keep_last=2, keep=[3]) == ([1, 2] if not gone else [])
         assert [v.version for v in registry.versions("a") if v.payload_pruned] == [1, 2]
