@@ -2,7 +2,7 @@
 
 Usage: python crash_prune_child.py ROOT DB_URL {before_commit|after_mark|mid_delete}
 
-Publishes versions 1..6 of agent `a`, rolls back to 4 (so 5 and 6 are newer than
+Publishes versions 1..6 of agent `a`, rolls back to 4 and pins it (5 and 6 are newer than
 what serves), then prunes with keep_last=2 and keep={3} (versions 1 and 2 go),
 and SIGKILLs itself: `before_commit` inside the prune's transaction (after its
 updates, before the commit), `after_mark` after the commit before any file is
