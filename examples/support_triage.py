@@ -34,7 +34,6 @@ SUPPORT = ExperimentConfig(
     eval_tasks=48,
     eval_every=10,
     temperature=0.8,
-    lr=7e-4,
     rank=8,
 )
 

@@ -30,7 +30,6 @@ TOOL_USE = ExperimentConfig(
     eval_tasks=16,
     eval_every=10,
     temperature=0.8,
-    lr=1e-3,
     rank=8,
     corrections=True,
 )

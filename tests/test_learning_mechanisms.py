@@ -226,7 +226,7 @@ def test_a_wrong_output_with_its_right_answer_trains_as_a_pair_and_a_target(
     # pairs: the wrong output against its right answer; supervised: the answer, and the
     # confirmed output the agent was unsure of (per-token probability e^-1).
     assert result.num_pairs == 1 and result.num_sft == 2 and result.num_pg == 2
-    assert result.pref_loss > 0 and result.lr == pytest.approx(1e-2 / 4)  # warm-up step 1 of 4
+    assert result.pref_loss > 0 and result.lr == pytest.approx(1e-2 / 2)  # warm-up step 1 of 2
     world.close()
 
 

@@ -360,7 +360,6 @@ def run(argv: Sequence[str]) -> int:
         samples_per_task=1,
         eval_tasks=0,
         temperature=0.8,
-        lr=1e-3,
         corrections=True,
         batched_agents=args.batched_agents,
         num_threads=args.threads,

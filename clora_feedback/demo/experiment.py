@@ -78,7 +78,7 @@ class ExperimentConfig:
         eval_every: also evaluate every this many steps (0: before and after only).
         temperature: sampling temperature of training rollouts.
         top_p: nucleus mass of training rollouts.
-        lr: AdamW learning rate of the adapters.
+        lr: AdamW learning rate of the adapters (None: `TrainerConfig`'s default).
         rank: LoRA rank.
         alpha: LoRA alpha.
         batched_agents: agents per forward/backward when several train at once.
@@ -104,7 +104,7 @@ class ExperimentConfig:
     eval_every: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    lr: float = 1e-3
+    lr: float | None = None
     rank: int = 8
     alpha: float = 16.0
     batched_agents: int = 1
@@ -216,7 +216,7 @@ def service_settings(
         trainer=TrainerConfig(
             rank=cfg.rank,
             alpha=cfg.alpha,
-            lr=cfg.lr,
+            **({} if cfg.lr is None else {"lr": cfg.lr}),
             admission={"min_batch": 1, "max_batch": 4096, "max_staleness": 1},
             trigger_interval_s=1e9,
             poll_interval_s=0.05,
