@@ -400,11 +400,11 @@ def run_task(model_dir: Path, work_dir: Path, family: Family, cfg: LearningConfi
     """One family on a fresh service (fresh stores and adapters under `work_dir`)."""
     from clora_feedback.service import build_service
 
-    mode = "correction"
-    if family.name == "routing":
-        mode = (
-            "resolution.correct_answer" if resolutions_carry_answer() else "resolution+correction"
-        )
+    mode = {"api-call": "correction", "routing": "resolution+correction"}.get(
+        family.name, "reward+correction"
+    )
+    if family.name == "routing" and resolutions_carry_answer():
+        mode = "resolution.correct_answer"
     run = TaskRun(
         task=family.name,
         signals=family.signals,

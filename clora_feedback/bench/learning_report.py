@@ -179,7 +179,13 @@ def plot(path: Path, runs: Sequence[TaskRun]) -> Path:
             ax.annotate(f"v{e.version}", (t, a), textcoords="offset points", xytext=(0, 5),
                         fontsize=7, ha="center")  # fmt: skip
         ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
-        ax.set(title=run.task, xlabel="wall time (min)", ylim=(-0.05, 1.08))
+        end = max([run.wall_s / 60, *ts]) or 1.0  # the run went on after its last evaluation
+        ax.set(
+            title=run.task,
+            xlabel="wall time (min)",
+            ylim=(-0.05, 1.08),
+            xlim=(-0.03 * end, 1.03 * end),
+        )
     axes[0][0].set_ylabel("held-out accuracy (greedy)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
