@@ -81,6 +81,9 @@ class DemoConfig:
         versions: stop once every agent has published this many versions (0: no limit).
         minutes: stop after this long at the latest.
         users: concurrent simulated users per agent.
+        think_s: a user's mean pause between answers (exponential): people read, and a
+            demo that saturates both cores leaves its lower-priority trainer only the
+            leftovers (a step took 100 s instead of 10).
         temperature: the agents' sampling temperature (exploration).
         lr: the trainer's learning rate (None: `TrainerConfig`'s default, as `clora serve`).
         rank: LoRA rank of the trained adapters.
@@ -99,6 +102,7 @@ class DemoConfig:
     versions: int = 10
     minutes: float = 15.0
     users: int = 4
+    think_s: float = 2.0
     temperature: float = 0.8
     lr: float | None = None
     rank: int = 8
@@ -262,6 +266,8 @@ class Demo:
                 live.version_marks.append((len(live.rewards) + 1, version))
             live.rewards.append(episode.reward)
             live.feedback += len(events)
+            if self.config.think_s > 0:
+                await asyncio.sleep(rng.expovariate(1.0 / self.config.think_s))
 
     def _refresh(self) -> None:
         service = self.server.service
@@ -450,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--versions", type=int, default=d.versions, help="Stop at this many versions per agent (0: no limit).")  # fmt: skip
     p.add_argument("--minutes", type=float, default=d.minutes, help="Stop after this long at the latest.")  # fmt: skip
     p.add_argument("--users", type=int, default=d.users, help="Concurrent users per agent.")
+    p.add_argument("--think", type=float, default=d.think_s, help="A user's mean pause between answers, seconds.")  # fmt: skip
     p.add_argument("--batch", type=int, default=d.batch, help="Samples per optimizer step (default: the trainer's admission).")  # fmt: skip
     p.add_argument("--lr", type=float, default=d.lr, help="Learning rate (default: the trainer's).")  # fmt: skip
     p.add_argument("--temperature", type=float, default=d.temperature, help="Sampling temperature.")  # fmt: skip
@@ -479,6 +486,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         versions=args.versions,
         minutes=args.minutes,
         users=args.users,
+        think_s=args.think,
         temperature=args.temperature,
         lr=args.lr,
         batch=args.batch,
