@@ -5,13 +5,18 @@ A development diagnostic behind the trainer's default learning rate and warm-up
 and each learning rate, a fresh adapter takes `--steps` optimizer steps of the
 trainer's own `train_step` on the right answers of `--batch` training prompts a
 step (what corrections and resolutions carrying the right answer teach, plus
-the trainer's replay of earlier examples), and after every `--eval-every`
+the trainer's replay of earlier examples; with `--pairs`, also the
+preference pair of each prompt whose answer the current adapter gets wrong,
+its greedy answer against the right one, at each `--preference-weights`
+value), and after every `--eval-every`
 steps the embedded engine answers the held-out prompts greedily with that
 adapter. No gateway, no sampling, no policy gradient: it isolates the step
 count the supervised signal needs, the quantity that bounds how fast the live
 loop can learn (one step per admitted batch).
 
 Run: `python scripts/learning_rate_sweep.py --families api-call,routing --lrs 2e-4,5e-4,1e-3,2e-3`
+or, supervised-only against supervised + preference pairs at one learning rate:
+`python scripts/learning_rate_sweep.py --lrs 1e-3 --pairs --preference-weights 0,1`
 Prints one table (held-out accuracy per step count) and the machine.
 """
 
@@ -43,7 +48,7 @@ from clora_feedback.train.state import (
     TrainingSlot,
     init_lora,
 )
-from clora_feedback.train.step import AgentBatch, SFTSample, train_step
+from clora_feedback.train.step import AgentBatch, PreferencePair, SFTSample, train_step
 
 
 def prompt_ids(engine: EmbeddedEngine, prompt: Prompt) -> list[int]:
@@ -59,20 +64,28 @@ def target_ids(engine: EmbeddedEngine, answer: str) -> list[int]:
     return ids + ([eos] if eos is not None else [])
 
 
-async def held_out_accuracy(
-    engine: EmbeddedEngine, family: Family, prompts: list[Prompt], agent: str | None
-) -> float:
-    async def one(i: int, prompt: Prompt) -> bool:
+async def greedy(
+    engine: EmbeddedEngine, family: Family, prompts: list[Prompt], agent: str | None, tag: str
+) -> list[list[int]]:
+    """The engine's greedy answer ids to each prompt (with `agent`'s adapter, or the base)."""
+
+    async def one(i: int, prompt: Prompt) -> list[int]:
         params = SamplingParams(max_tokens=family.max_tokens, temperature=0.0)
-        request = GenerationRequest(f"{agent}-{i}", agent, prompt_ids(engine, prompt), params)
+        request = GenerationRequest(f"{tag}-{i}", agent, prompt_ids(engine, prompt), params)
         ids: list[int] = []
         async for out in engine.add_request(request):
             ids += [t.token_id for t in out.tokens]
-        reply = engine.tokenizer.decode(ids, skip_special_tokens=True)
-        return family.correct(prompt, reply)
+        return ids
 
-    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return sum(results) / len(results)
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+async def held_out_accuracy(
+    engine: EmbeddedEngine, family: Family, prompts: list[Prompt], agent: str | None
+) -> float:
+    answers = await greedy(engine, family, prompts, agent, f"eval-{agent}")
+    replies = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
+    return sum(family.correct(p, r) for p, r in zip(prompts, replies, strict=True)) / len(prompts)
 
 
 async def sweep(args: argparse.Namespace) -> None:
@@ -82,16 +95,20 @@ async def sweep(args: argparse.Namespace) -> None:
     policy = DecoderPolicy.shared_with(engine)
     targets = tuple(policy.lora_limits.target_modules)
     lrs = [float(x) for x in args.lrs.split(",")]
+    weights = [float(x) for x in args.preference_weights.split(",")] if args.pairs else [0.0]
     steps_shown = list(range(0, args.steps + 1, args.eval_every))
-    print(f"| family | lr | {' | '.join(f'step {s}' for s in steps_shown)} | s/step |")
-    print("|---|---|" + "---|" * (len(steps_shown) + 1))
+    print(
+        f"| family | lr | preference weight | {' | '.join(f'step {s}' for s in steps_shown)} "
+        "| s/step |"
+    )
+    print("|---|---|---|" + "---|" * (len(steps_shown) + 1))
     try:
         for name in args.families.split(","):
             family = FAMILIES[name]
             train = family.prompts(args.seed, "train", 512)
             held = family.prompts(args.seed, "eval", args.held_out)
             base = await held_out_accuracy(engine, family, held, None)
-            for lr in lrs:
+            for lr, weight in [(lr, w) for lr in lrs for w in weights]:
                 layout = LoRALayout.build(policy.lora_limits, 8, 16.0, targets)
                 state = AgentTrainState.create("sweep", layout, init_lora(layout, seed=args.seed))
                 slot = TrainingSlot(layout.numel, policy.device)
@@ -101,19 +118,34 @@ async def sweep(args: argparse.Namespace) -> None:
                 row = [f"{base:.2f}"]
                 spent = 0.0
                 for step in range(1, args.steps + 1):
+                    chosen = rng.sample(train, args.batch)
                     fresh = [
                         SFTSample(prompt_ids(engine, p), target_ids(engine, p.answer))
-                        for p in rng.sample(train, args.batch)
+                        for p in chosen
                     ]
                     batch = AgentBatch(state, sft=fresh + replay.sample(args.replay))
                     replay.add(fresh)
+                    if weight > 0:
+                        engine.set_adapter("sweep", 10_000 + step, layout.to_weights(state.params))
+                        outputs = await greedy(engine, family, chosen, "sweep", f"pairs-{step}")
+                        for p, sample, ids in zip(chosen, fresh, outputs, strict=True):
+                            reply = engine.tokenizer.decode(ids, skip_special_tokens=True)
+                            if ids and not family.correct(p, reply):
+                                batch.pairs.append(
+                                    PreferencePair(sample.prompt_ids, sample.target_ids, ids)
+                                )
+                    loss = LossConfig(preference_weight=weight)
                     t0 = time.perf_counter()
-                    train_step(policy, [slot], [batch], LossConfig(), adam)
+                    train_step(policy, [slot], [batch], loss, adam)
                     spent += time.perf_counter() - t0
                     if step % args.eval_every == 0:
                         engine.set_adapter("sweep", step, layout.to_weights(state.params))
                         row.append(f"{await held_out_accuracy(engine, family, held, 'sweep'):.2f}")
-                print(f"| {name} | {lr:g} | {' | '.join(row)} | {spent / args.steps:.1f} |", flush=True)
+                cells = " | ".join(row)
+                print(
+                    f"| {name} | {lr:g} | {weight:g} | {cells} | {spent / args.steps:.1f} |",
+                    flush=True,
+                )
     finally:
         await engine.stop()
     print(
@@ -132,7 +164,9 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--replay", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--pairs", action="store_true", help="Also train preference pairs.")
+    p.add_argument("--preference-weights", default="0,1", help="With --pairs: weights to compare.")
     p.add_argument("--held-out", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     asyncio.run(sweep(p.parse_args()))
