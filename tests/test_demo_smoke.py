@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ def test_demo_learns_from_kafka_and_webhook_feedback(tiny_model_dir: Path, tmp_p
             batch=4,
             num_threads=1,
             progress=False,
+            think_s=0.0,
         )
     )
     assert not summary["interrupted"]
@@ -90,7 +92,7 @@ def test_ctrl_c_stops_the_demo_cleanly_and_still_writes_results(
     argv = [sys.executable, "-m", "clora_feedback.cli", "demo", "--model", str(tiny_model_dir)]
     argv += ["--data-dir", str(data), "--out", str(out), "--no-progress", "--minutes", "5"]
     # No version target: only the Ctrl-C (or 5 minutes) may end it, however fast it trains.
-    argv += ["--users", "1", "--batch", "2", "--threads", "1", "--versions", "0"]
+    argv += ["--users", "1", "--batch", "2", "--threads", "1", "--versions", "0", "--think", "0.2"]
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -107,7 +109,8 @@ def test_ctrl_c_stops_the_demo_cleanly_and_still_writes_results(
     try:
         for line in proc.stdout:  # the first live line: users are sending, the trainer runs
             lines.append(line)
-            if line.startswith(("support", "coding")) or time.monotonic() > deadline:
+            # "[   0 s] support  requests ...": one plain line per new version, no terminal.
+            if " requests " in line or time.monotonic() > deadline:
                 break
         time.sleep(2.0)
         os.killpg(proc.pid, signal.SIGINT)
@@ -122,6 +125,10 @@ def test_ctrl_c_stops_the_demo_cleanly_and_still_writes_results(
     assert summary["interrupted"] is True
     assert (out / "versions.md").exists()
     assert not _processes_mentioning(str(data)), "the demo's broker outlived it"
+    # Without a terminal: one plain line per new version of an agent, no cursor codes.
+    live = re.findall(r"^\[\s*\d+ s\] (\w+) .* version v(\d+) ", output, re.M)
+    assert live and len(live) == len(set(live)), live
+    assert "\x1b[" not in output
 
 
 def _processes_mentioning(text: str) -> list[int]:
