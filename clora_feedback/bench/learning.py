@@ -474,6 +474,8 @@ def run(argv: Sequence[str]) -> int:
     model_dir = resolve_model_dir(args.model or DEFAULT_MODEL, Settings().model_cache_dir)
     work = args.work or Path(tempfile.mkdtemp(prefix="clora-bench-learning-"))
     load_before = machine_facts()["load average (1, 5, 15 min)"]
+    code = code_version()  # at the start: the checkout may move while the tasks run
+    trainer = TrainerConfig()
     runs = []
     for name in tasks:
         print(f"== {name}: {FAMILIES[name].signals}; {cfg.minutes:g} min", flush=True)
@@ -481,7 +483,12 @@ def run(argv: Sequence[str]) -> int:
     facts = cpu_facts()
     facts["load average at start"] = load_before
     facts["model"] = str(args.model or DEFAULT_MODEL)
-    facts["code"] = code_version()
+    facts["code at start"] = code
+    facts["trainer defaults"] = (
+        f"lr {trainer.lr:g}, warm-up {trainer.warmup_steps} steps, "
+        f"admission {trainer.admission.min_batch}-{trainer.admission.max_batch} samples, "
+        f"trigger {trainer.trigger_interval_s:g} s, guard {'on' if trainer.guard.enabled else 'off'}"
+    )
     write(args.out, asdict(cfg), runs, facts)
     return 0
 
