@@ -117,7 +117,7 @@ def test_a_version_1_sqlite_registry_is_upgraded(tmp_path: Path) -> None:
         assert TrainerLeases(reg.database, owner="t", ttl_s=TTL).refresh(["a"]) == {"a"}
     with sqlite3.connect(db) as conn:
         versions = conn.execute("SELECT version FROM schema_version").fetchall()
-    assert versions == [(index.SCHEMA_VERSION,)] and index.SCHEMA_VERSION == 2
+    assert versions == [(index.SCHEMA_VERSION,)] and index.SCHEMA_VERSION == 3
 
 
 def test_a_version_1_postgresql_registry_is_upgraded(tmp_path: Path, postgres_url: str) -> None:
