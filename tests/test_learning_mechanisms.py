@@ -206,7 +206,7 @@ class _World:
 
     def judge(self, cid: str, **fields: object) -> None:
         self.n += 1
-        kind = Resolution if "outcome" in fields else Correction
+        kind = Resolution if "outcome" in fields else Reward if "value" in fields else Correction
         event = kind(event_id=f"e{self.n}", agent="a", completion_id=cid, source="t", **fields)  # type: ignore[arg-type]
         assert self.feedback.apply([Incoming(event, "t")]).joined
 
@@ -227,6 +227,23 @@ def test_a_wrong_output_with_its_right_answer_trains_as_a_pair_and_a_target(
     # confirmed output the agent was unsure of (per-token probability e^-1).
     assert result.num_pairs == 1 and result.num_sft == 2 and result.num_pg == 2
     assert result.pref_loss > 0 and result.lr == pytest.approx(1e-2 / 2)  # warm-up step 1 of 2
+    world.close()
+
+
+def test_outputs_rewarded_above_the_mean_are_imitated_so_every_class_is_taught(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    """A two-class task (confirm or escalate) judged by a 1/0 reward plus a correction when
+    wrong: the agent confirms everything. Supervising only the corrected ones would teach
+    "escalate" alone (and the next version would escalate everything); the confirmations
+    that earned 1.0 are imitated too."""
+    world = _World(tmp_path, engine)
+    right, wrong = world.served("confirmed"), world.served("confirmed")
+    world.judge(right, value=1.0)
+    world.judge(wrong, value=0.0)
+    world.judge(wrong, corrected_content="escalated")
+    [result] = world.trainer.run_round()
+    assert result.num_sft == 2 and result.num_pairs == 1  # "escalated" and the right "confirmed"
     world.close()
 
 

@@ -110,7 +110,7 @@ def test_rewards_become_published_versions_served_in_place(
     assert (
         [r.agent for r in results] == ["alpha"]
         and results[0].num_pg == 3
-        and results[0].num_sft == 1
+        and results[0].num_sft == 2  # the correction, and the output rewarded 1.0 (imitated)
     )
     active = world.registry.active("alpha")
     assert active is not None and active.version == 1 and engine.adapter_version("alpha") == 1

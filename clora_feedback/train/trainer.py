@@ -10,7 +10,8 @@ Each round (`run_round`), per agent in fair rotation:
    with anything waiting, whatever is there;
 3. build the agent's rows (`_agent_batch`): a policy-gradient row per sample
    with raw behaviour logprobs; a supervised row per right answer feedback gave
-   and per confirmed output the agent was not yet sure of; a preference pair
+   and per output confirmed or rewarded above the agent's running mean that the
+   agent was not yet sure of; a preference pair
    per wrong output and its right answer; a few labelled examples of earlier
    steps (`replay`). A batch with nothing to teach (only settled confirmed
    outputs, rewards at the agent's running mean) is consumed without a step;
@@ -355,12 +356,13 @@ class ContinualTrainer(BackgroundTask):
         Policy gradient: every sample with raw behaviour logprobs (a trajectory that
         recorded another mode is never scored against the wrong quantity: it keeps
         its supervised rows and pairs, and `skipped_pg` counts it). Supervised: each
-        right answer given for a sample, and each confirmed output as it was
-        generated; then up to `replay` labelled examples of earlier steps. Pairs:
-        each wrong output with each right answer given for it.
+        right answer given for a sample, and each output worth imitating (`_imitated`)
+        as it was generated; then up to `replay` labelled examples of earlier steps.
+        Pairs: each wrong output with each right answer given for it.
         """
         batch = AgentBatch(run.state)
         fresh: list[SFTSample] = []
+        reference = self._reference_reward(run, admitted)
         for sample, staleness in admitted:
             output = sample.completion_token_ids
             if output and sample.logprobs_mode == "raw":
@@ -383,7 +385,7 @@ class ContinualTrainer(BackgroundTask):
                 fresh.append(SFTSample(sample.prompt_token_ids, ids))
                 if sample.wrong and output:
                     batch.pairs.append(PreferencePair(sample.prompt_token_ids, ids, output))
-            if sample.confirmed and output and not self._settled_output(sample):
+            if output and self._imitated(sample, reference):
                 fresh.append(SFTSample(sample.prompt_token_ids, output))
         batch.sft = fresh + run.replay.sample(self.config.replay)
         run.replay.add(fresh)
@@ -396,6 +398,27 @@ class ContinualTrainer(BackgroundTask):
         if not lps or sample.logprobs_mode != "raw":
             return False
         return math.exp(sum(lps) / len(lps)) >= self.config.settled_prob
+
+    @staticmethod
+    def _reference_reward(run: _AgentRun, admitted: list[tuple[TrainingSample, int]]) -> float:
+        """What the agent usually earns: its running mean, else this batch's mean."""
+        if run.state.baseline is not None:
+            return run.state.baseline
+        return sum(s.reward for s, _ in admitted) / len(admitted)
+
+    def _imitated(self, sample: TrainingSample, reference: float) -> bool:
+        """Whether the output itself is a labelled example: confirmed right, or rewarded
+        above what the agent usually earns (by more than `settled_margin`) with no event
+        calling it wrong; and the agent not yet sure of it (`_settled_output`).
+
+        Why the rewarded ones too: when only wrong outputs carried supervised targets, a
+        batch of an agent that answered one class everywhere supervised only the other
+        classes, and the next version answered another class everywhere (a two-class
+        task flipped between "confirm all" and "escalate all"). Imitating the outputs
+        that did well keeps every class in the supervised rows."""
+        if sample.wrong or self._settled_output(sample):
+            return False
+        return sample.confirmed or sample.reward > reference + self.config.settled_margin
 
     def _teaches(self, run: _AgentRun, admitted: list[tuple[TrainingSample, int]]) -> bool:
         """Whether a batch can teach the agent anything: some sample has a right answer
