@@ -392,7 +392,7 @@ def test_a_pair_reuses_the_rows_of_its_two_sides(engine: EmbeddedEngine) -> None
         sft=[SFTSample(prompt, right)],
         pairs=[PreferencePair(prompt, right, wrong)],
     )
-    seqs, owner, [rows] = _rows([batch])
+    seqs, owner, [rows] = _rows([batch], [[(batch.pg[0], -0.5)]])
     assert seqs == [(prompt, wrong), (prompt, right)] and owner == [0, 0]
     assert rows.pg == [0] and rows.sft == [1] and rows.pairs == [(1, 0)]
 
@@ -414,3 +414,19 @@ def test_the_quickstart_shows_the_trainer_defaults() -> None:
             assert {k: getattr(section, k) for k in value} == value, key
         else:
             assert getattr(defaults, key) == value, key
+
+
+def test_samples_without_an_advantage_get_no_row(engine: EmbeddedEngine) -> None:
+    """Before the first right answer every reward is 0, like the baseline: those samples
+    carry no policy gradient, so the pass does not compute them (they were 16 of 40 rows)."""
+    from clora_feedback.train.step import PGSample
+
+    policy = DecoderPolicy.shared_with(engine)
+    layout = LoRALayout.build(policy.lora_limits, 4, 8.0, tuple(policy.lora_limits.target_modules))
+    state = AgentTrainState.create("a", layout, init_lora(layout, seed=0))
+    state.baseline = 0.0
+    pg = [PGSample(f"c{i}", [1, 2, 3], [7, 8, 9], [-1.0] * 3, 0.0) for i in range(4)]
+    batch = AgentBatch(state, pg=pg, sft=[SFTSample([1, 2, 3], [9, 2])])
+    slot = TrainingSlot(layout.numel, policy.device)
+    [result] = train_step(policy, [slot], [batch], LossConfig(), AdamConfig(lr=1e-3))
+    assert result.num_pg == 4 and result.tokens == 2 and result.pg_loss == 0.0

@@ -164,15 +164,15 @@ class _RowTable:
 
 
 def _rows(
-    batches: list[AgentBatch],
+    batches: list[AgentBatch], scored: list[list[tuple[PGSample, float]]]
 ) -> tuple[list[tuple[list[int], list[int]]], list[int], list[_AgentRows]]:
     """The pass's distinct rows, the agent index of each row, and where each agent's
-    samples sit among them."""
+    samples sit among them (of its policy-gradient samples, the `scored` ones)."""
     table = _RowTable()
     layouts: list[_AgentRows] = []
     for i, batch in enumerate(batches):
         first = table.begin(i)
-        pg = [table.row(s.prompt_ids, s.completion_ids) for s in batch.pg]
+        pg = [table.row(s.prompt_ids, s.completion_ids) for s, _ in scored[i]]
         sft = [table.row(t.prompt_ids, t.target_ids) for t in batch.sft]
         pairs = [
             (table.row(p.prompt_ids, p.chosen_ids), table.row(p.prompt_ids, p.rejected_ids))
@@ -211,13 +211,19 @@ def train_step(
         raise ValueError(f"{len(batches)} agents but only {len(slots)} training slots")
     t0 = time.perf_counter()
     leaves = [slot.swap_in(b.state) for slot, b in zip(slots, batches, strict=False)]
-    seqs, owner, layouts = _rows(batches)
-    packed = PackedBatch.build(seqs)
-    lora = TrainLoRA(
-        [b.state.layout for b in batches], leaves, torch.tensor(owner, device=model.device)
-    )
-    logp = model.token_logprobs(packed, lora)
-    counts = packed.mask.sum(dim=1).tolist()
+    # Advantages first: a sample with none (every reward at the baseline, e.g. all 0 before
+    # the first right answer) adds nothing to the policy gradient, so it gets no row.
+    scored = [_scored(b, loss_cfg) for b in batches]
+    seqs, owner, layouts = _rows(batches, scored)
+    if seqs:
+        packed = PackedBatch.build(seqs)
+        lora = TrainLoRA(
+            [b.state.layout for b in batches], leaves, torch.tensor(owner, device=model.device)
+        )
+        logp = model.token_logprobs(packed, lora)
+        counts: list[int] = packed.mask.sum(dim=1).tolist()
+    else:  # nothing carries a gradient: no pass (each agent's update sees a zero gradient)
+        logp, counts = torch.zeros(0, device=model.device), []
     per_row = list(torch.split(logp, counts))
     wanted = [False] * len(seqs)  # the reference scores the pairs, and the PG rows for KL
     for rows in layouts:
@@ -227,8 +233,8 @@ def train_step(
 
     total = logp.new_zeros(())
     stats: list[dict[str, float]] = []
-    for batch, rows in zip(batches, layouts, strict=True):
-        loss_i, s = _agent_loss(batch, rows, per_row, ref, loss_cfg, logp.new_zeros(()))
+    for batch, pg, rows in zip(batches, scored, layouts, strict=True):
+        loss_i, s = _agent_loss(batch, pg, rows, per_row, ref, loss_cfg, logp.new_zeros(()))
         s["loss"] = float(loss_i.item())
         s["tokens"] = float(sum(counts[rows.first : rows.end]))
         total = total + loss_i
@@ -277,15 +283,32 @@ def train_step(
     return results
 
 
+def _scored(batch: AgentBatch, cfg: LossConfig) -> list[tuple[PGSample, float]]:
+    """(sample, advantage) of the policy-gradient samples that carry a gradient (all of
+    them when the KL term scores them); updates the agent's running baseline."""
+    if not batch.pg:
+        return []
+    adv, batch.state.baseline = advantages(
+        [p.reward for p in batch.pg],
+        [p.group for p in batch.pg],
+        batch.state.baseline,
+        cfg.baseline_momentum,
+    )
+    pairs = list(zip(batch.pg, adv, strict=True))
+    return pairs if cfg.kl_coef > 0 else [(p, a) for p, a in pairs if abs(a) > 1e-9]
+
+
 def _agent_loss(
     batch: AgentBatch,
+    pg_scored: list[tuple[PGSample, float]],
     rows: _AgentRows,
     per_row: list[torch.Tensor],
     ref: dict[int, torch.Tensor],
     cfg: LossConfig,
     zero: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One agent's loss over its rows (`rows` says which of the pass's rows are whose)."""
+    """One agent's loss over its rows (`rows` says which of the pass's rows are whose;
+    `pg_scored` are its policy-gradient samples with a gradient, with their advantages)."""
     s: dict[str, float] = {
         "pg_loss": 0.0,
         "sft_loss": 0.0,
@@ -296,20 +319,13 @@ def _agent_loss(
         "pref_ordered": float("nan"),
     }
     loss = zero
-    if batch.pg:
-        adv, batch.state.baseline = advantages(
-            [p.reward for p in batch.pg],
-            [p.group for p in batch.pg],
-            batch.state.baseline,
-            cfg.baseline_momentum,
-        )
+    if pg_scored:
         lp = torch.cat([per_row[i] for i in rows.pg])
         behaviour = torch.tensor(
-            [x for p in batch.pg for x in p.behaviour_logprobs], device=lp.device
+            [x for p, _ in pg_scored for x in p.behaviour_logprobs], device=lp.device
         )
         adv_tok = torch.tensor(
-            [a for p, a in zip(batch.pg, adv, strict=True) for _ in p.completion_ids],
-            device=lp.device,
+            [a for p, a in pg_scored for _ in p.completion_ids], device=lp.device
         )
         pg, extra = clipped_pg_loss(lp, behaviour, adv_tok, cfg.clip_eps)
         loss = loss + pg
