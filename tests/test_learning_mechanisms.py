@@ -238,7 +238,8 @@ def test_outputs_rewarded_above_the_mean_are_imitated_so_every_class_is_taught(
     "escalate" alone (and the next version would escalate everything); the confirmations
     that earned 1.0 are imitated too."""
     world = _World(tmp_path, engine)
-    right, wrong = world.served("confirmed"), world.served("confirmed")
+    # The right one was generated with near certainty: it still anchors its class.
+    right, wrong = world.served("confirmed", logprob=-0.01), world.served("confirmed")
     world.judge(right, value=1.0)
     world.judge(wrong, value=0.0)
     world.judge(wrong, corrected_content="escalated")

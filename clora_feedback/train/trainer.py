@@ -10,8 +10,8 @@ Each round (`run_round`), per agent in fair rotation:
    with anything waiting, whatever is there;
 3. build the agent's rows (`_agent_batch`): a policy-gradient row per sample
    with raw behaviour logprobs; a supervised row per right answer feedback gave
-   and per output confirmed or rewarded above the agent's running mean that the
-   agent was not yet sure of; a preference pair
+   and per output confirmed or rewarded above the agent's running mean; a
+   preference pair
    per wrong output and its right answer; a few labelled examples of earlier
    steps (`replay`). A batch with nothing to teach (only settled confirmed
    outputs, rewards at the agent's running mean) is consumed without a step;
@@ -407,16 +407,17 @@ class ContinualTrainer(BackgroundTask):
         return sum(s.reward for s, _ in admitted) / len(admitted)
 
     def _imitated(self, sample: TrainingSample, reference: float) -> bool:
-        """Whether the output itself is a labelled example: confirmed right, or rewarded
-        above what the agent usually earns (by more than `settled_margin`) with no event
-        calling it wrong; and the agent not yet sure of it (`_settled_output`).
+        """Whether the output itself is a labelled example of a batch that teaches:
+        confirmed right, or rewarded above what the agent usually earns (by more than
+        `settled_margin`) with no event calling it wrong.
 
-        Why the rewarded ones too: when only wrong outputs carried supervised targets, a
-        batch of an agent that answered one class everywhere supervised only the other
-        classes, and the next version answered another class everywhere (a two-class
-        task flipped between "confirm all" and "escalate all"). Imitating the outputs
-        that did well keeps every class in the supervised rows."""
-        if sample.wrong or self._settled_output(sample):
+        Why the rewarded ones, and the ones the agent is already sure of: when only wrong
+        outputs carried supervised targets, a batch of an agent that answered one class
+        everywhere supervised only the other classes, and the next version answered
+        another class everywhere (a two-class task flipped between "confirm all" and
+        "escalate all"). The right answers anchor their class against that push. Whether
+        a batch teaches at all is `_teaches`'s call."""
+        if sample.wrong:
             return False
         return sample.confirmed or sample.reward > reference + self.config.settled_margin
 
