@@ -53,9 +53,7 @@ def test_welch_and_quantile_match_scipy() -> None:
     reference = [rng.gauss(0.7, 0.3) for _ in range(37)]
     new = [rng.gauss(0.5, 0.1) for _ in range(52)]
     result = welch_one_sided(reference, new, margin=0.1)
-    ref = stats.ttest_ind(
-        [r - 0.1 for r in reference], new, equal_var=False, alternative="greater"
-    )
+    ref = stats.ttest_ind([r - 0.1 for r in reference], new, equal_var=False, alternative="greater")
     assert result.t == pytest.approx(float(ref.statistic), rel=1e-9)
     assert result.p == pytest.approx(float(ref.pvalue), rel=1e-7)
     assert result.df == pytest.approx(float(ref.df), rel=1e-9)
@@ -113,11 +111,11 @@ def test_sequential_test_aborts_a_collapsed_arm_within_a_few_rewards() -> None:
     rng = random.Random(9)
     serving = [float(rng.random() < 0.6) for _ in range(60)]
     canary: list[float] = []
-    for n in range(1, 30):
+    for _ in range(30):
         canary.append(0.0)
         worse, result, level = sequential_worse(serving, canary, confidence=0.95)
         if worse:
             assert result is not None and result.p < level
             break
-    assert worse and n <= 12, n
+    assert worse and len(canary) <= 12, len(canary)
     assert sequential_worse(serving, [0.0] * 3, confidence=0.95)[1] is None  # before the first look
