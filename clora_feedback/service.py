@@ -62,7 +62,7 @@ from clora_feedback.gateway.console import build_console_router
 from clora_feedback.gateway.feedback import build_feedback_router
 from clora_feedback.gateway.metrics import Family
 from clora_feedback.lora.weights import LoRALimits
-from clora_feedback.models.resolve import resolve_model_dir
+from clora_feedback.model.resolve import resolve_model_dir
 from clora_feedback.store.db import is_postgres_url
 from clora_feedback.store.lease import TrainerLeases
 from clora_feedback.store.provenance import base_identity

@@ -8,7 +8,7 @@ Two measurements on the default model, this CPU, 2 threads by default:
    batch hints 1, 8 and 64 (`torch.ops.mkldnn._reorder_linear_weight`); the
    minimum of 4 passes, microseconds per weight, and the per-step total of
    the 30 layers plus the lm_head.
-2. `LoRAModel` with the `packed` kernel as built against the same model with
+2. `SlottedDecoder` with the `packed` kernel as built against the same model with
    `blocked` kernels swapped in, interleaved: one decode step of 1 row and of
    8 rows on 8 different random rank-8 adapters (all seven projections), and
    the prefill of a 48-token chunk on one adapter after 256 cached positions;
@@ -32,11 +32,11 @@ import torch
 
 from clora_feedback.bench.timing import best_wall_s
 from clora_feedback.config import EngineConfig
+from clora_feedback.engine.decoder import KVCache, SlottedDecoder
 from clora_feedback.engine.dense import DenseKernels, Linear, _blocked, _packed, _Upcast
-from clora_feedback.engine.model import KVCache, LoRAModel
 from clora_feedback.lora.ops import LoRABatch
 from clora_feedback.lora.weights import random_lora_weights
-from clora_feedback.models.resolve import resolve_model_dir
+from clora_feedback.model.resolve import resolve_model_dir
 
 ROWS = (1, 2, 8, 48)
 PASSES = 9  # end to end: interleaved passes per case (minimum kept)
@@ -79,7 +79,7 @@ def kernels(shapes: dict[str, tuple[int, int, int]]) -> None:
         print(f"| {m} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
 
 
-def _blocked_kernels(model: LoRAModel) -> DenseKernels:
+def _blocked_kernels(model: SlottedDecoder) -> DenseKernels:
     """The model's dense kernels with `blocked` in place of packed fp32 (bf16: inside `upcast`)."""
     built = model._dense
     if built.name == "upcast":
@@ -101,7 +101,7 @@ def _blocked_kernels(model: LoRAModel) -> DenseKernels:
     return DenseKernels.build(weights, base.lm_head, "blocked")
 
 
-def end_to_end(model: LoRAModel) -> None:
+def end_to_end(model: SlottedDecoder) -> None:
     for slot in range(1, 9):
         model.write_slot(slot, random_lora_weights(model.limits, rank=8, seed=slot))
     cache = KVCache(model.config, 8, 512, model.dtype, model.device)
@@ -150,7 +150,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    model = LoRAModel.from_dir(
+    model = SlottedDecoder.from_dir(
         resolve_model_dir(args.model, Path(args.cache_dir)),
         max_loras=8, max_lora_rank=8, target_modules=tuple(EngineConfig().lora_target_modules),
         dtype=getattr(torch, args.dtype),

@@ -7,7 +7,7 @@ Two measurements on the default model's shapes, bf16 weights, this CPU:
    for 1..4 rows: the fp32 path of `upcast` (`fp32_kernel` on the fp32 copy:
    oneDNN-packed, or `blocked` without oneDNN) against `F.linear` on the bf16
    weight with the casts `upcast` does (fp32 in, fp32 out); minimum of 6 passes, microseconds per weight.
-2. `LoRAModel.decode` in bf16 for 1, 2, 3 and 8 rows with every kernel's
+2. `SlottedDecoder.decode` in bf16 for 1, 2, 3 and 8 rows with every kernel's
    `reduced_rows` as built (`_REDUCED_ROWS`) against none (the fp32 copy for
    every row count), interleaved; minimum wall ms per step over 5 x 16 steps.
 
@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 from clora_feedback.bench.timing import best_wall_s
 from clora_feedback.config import EngineConfig
+from clora_feedback.engine.decoder import KVCache, SlottedDecoder
 from clora_feedback.engine.dense import fp32_kernel
-from clora_feedback.engine.model import KVCache, LoRAModel
 from clora_feedback.lora.ops import LoRABatch
-from clora_feedback.models.resolve import resolve_model_dir
+from clora_feedback.model.resolve import resolve_model_dir
 
 
 def _shape(name: str, out: int, fan_in: int, copies: int, gen: torch.Generator) -> None:
@@ -55,7 +55,7 @@ def kernels(hidden: int, inter: int, qkv: int, vocab: int) -> None:
         _shape(name, out, fan_in, copies, gen)
 
 
-def decode(model: LoRAModel) -> None:
+def decode(model: SlottedDecoder) -> None:
     dense = model._dense
     every = [k for layer in dense.layers for k in layer.values()] + [dense.lm_head]
     built = {id(k): getattr(k, "reduced_rows", range(0)) for k in every}
@@ -93,7 +93,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    model = LoRAModel.from_dir(
+    model = SlottedDecoder.from_dir(
         resolve_model_dir(args.model, Path(args.cache_dir)),
         max_loras=1, max_lora_rank=8, target_modules=tuple(EngineConfig().lora_target_modules),
         dtype=torch.bfloat16,

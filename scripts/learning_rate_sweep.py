@@ -37,7 +37,7 @@ from clora_feedback.bench.learning_tasks import FAMILIES, Family, Prompt
 from clora_feedback.config import EngineConfig, Settings
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.engine.types import GenerationRequest, SamplingParams
-from clora_feedback.models.resolve import resolve_model_dir
+from clora_feedback.model.resolve import resolve_model_dir
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.replay import ReplayBuffer

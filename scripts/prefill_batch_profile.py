@@ -8,13 +8,13 @@ Then 8 requests at once, one per agent, each the system prompt plus a
 question with a fresh ticket number (so its ~40-token tail is not cached),
 `--new-tokens` tokens each (default 1: the time to every agent's first
 token), with `EmbeddedEngine.batch_prefill` on (the chunks run as one
-`LoRAModel.prefill_many` forward) and off (one forward per sequence),
+`SlottedDecoder.prefill_many` forward) and off (one forward per sequence),
 interleaved; wall seconds from the first submit to the last finish, the
 minimum and median over `--reps` pairs.
 
     OMP_WAIT_POLICY=PASSIVE python3 scripts/prefill_batch_profile.py [--reps 7] [--new-tokens 1]
 
-Not a test: nothing here asserts. Not here: the forward (`clora_feedback.engine.model`).
+Not a test: nothing here asserts. Not here: the forward (`clora_feedback.engine.decoder`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from clora_feedback.config import EngineConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.lora.weights import random_lora_weights
-from clora_feedback.models.resolve import resolve_model_dir
+from clora_feedback.model.resolve import resolve_model_dir
 
 AGENTS = 8
 

@@ -38,7 +38,7 @@ from pg_fixtures import (  # noqa: F401
 from vllm_fixtures import vllm_model_dir, vllm_server  # noqa: F401
 
 from clora_feedback.config import EngineConfig, ServerConfig, Settings
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

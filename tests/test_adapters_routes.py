@@ -25,13 +25,13 @@ from fastapi.testclient import TestClient
 from clora_feedback.cli.adapters import add_adapters_parser, run_adapters
 from clora_feedback.config import EngineConfig, Settings
 from clora_feedback.engine.deployer import Deployer
-from clora_feedback.engine.types import AdapterRef
 from clora_feedback.errors import AdapterError, StoreError
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.auth import KeyAuthenticator
 from clora_feedback.gateway.errors import install_error_handlers
 from clora_feedback.lora.weights import LoRALimits, random_lora_weights
 from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.versions import AdapterRef
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 TINY_SHAPES = {

@@ -1,4 +1,4 @@
-"""Smoke runs of `clora bench serve` on the tiny model: every measurement runs, the tables have their rows.
+"""Smoke run of `clora bench serve` on the tiny model: every figure runs, the tables have their rows.
 
 Never the figures: a tiny random model on a shared CPU says nothing about speed.
 """
@@ -13,59 +13,21 @@ import pytest
 import torch
 
 from clora_feedback.bench import run_bench
-from clora_feedback.models.tiny import build_tiny_model_dir
-
-
-def test_serve_bench_quick_runs_every_measurement(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
-    argv = ["--in-process", "--quick", "--model", str(model_dir), "--new-tokens", "4"]
-    argv += ["--agent-tokens", "3"]
-    argv += ["--gateway-reps", "3", "--json", str(tmp_path / "serve.json"), "--threads", "1"]
-    threads = torch.get_num_threads()
-    try:
-        assert run_bench("serve", argv) == 0
-    finally:
-        torch.set_num_threads(threads)  # --threads is process-wide
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip()[:2] for r in rows[1:]] == [
-        "1.",
-        "2.",
-        "3.",
-        "3.",
-        "3.",
-        "3.",
-        "4.",
-    ]
-    assert "nan" not in out and "WARNING" not in out
-    results = json.loads((tmp_path / "serve.json").read_text())["results"]
-    for key in ("mixed_ratio", "multiplex_ratio", "decode_speedup_single", "speedup_batch8"):
-        assert results[key] > 0
-    assert results["gateway_http_ms"] > 0
 
 
 def test_serve_bench_through_http_against_another_server(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The serving figures through the gateway, side by side with another OpenAI server
     (here a second gateway on its own engine): PEFT adapters loaded over HTTP on both."""
-    from clora_feedback.bench.gateway import _uvicorn_thread
-    from clora_feedback.config import EngineConfig, Settings
-    from clora_feedback.engine.embedded import EmbeddedEngine
-    from clora_feedback.gateway.app import create_app
-    from clora_feedback.store.trajectories import AsyncTrajectoryStore
+    from conftest import run_gateway
 
-    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=2048)
-    config = EngineConfig(model=str(model_dir), max_loras=8, max_lora_rank=16, num_threads=1)
-    other = tmp_path / "other"
-    settings = Settings(data_dir=other, adapters_dir=other / "adapters", engine=config)
-    engine = EmbeddedEngine(model_dir, config)
-    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+    model_dir = tiny_model_dir
+    other = {"max_loras": 8, "max_lora_rank": 16}
     threads = torch.get_num_threads()
     try:
-        with _uvicorn_thread(app) as url:
+        with run_gateway(model_dir, tmp_path / "other", engine=other) as gateway:
+            url = gateway.url
             argv = ["--quick", "--model", str(model_dir), "--new-tokens", "4", "--reps", "1"]
             argv += ["--agent-tokens", "3"]
             argv += ["--dtypes", "float32", "--threads", "1", "--json", str(tmp_path / "s.json")]
@@ -106,15 +68,6 @@ def test_serve_bench_through_http_against_another_server(
     assert results["embedded float32:vs:mixed"] > 0
     assert results["embedded float32:vs:episodes_together"] > 0
     assert [m["id"] for m in listed if m["parent"] is not None] == []  # adapters unloaded again
-
-
-def test_decode_profile_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
-    assert run_bench("serve", ["--decode-profile", "--model", str(model_dir), "--reps", "1"]) == 0
-    out = capsys.readouterr().out
-    for case in ("decode_mixed_permuted", "lora_mixed_rank8", "mixed_vs_one_decode"):
-        assert f"| {case} |" in out
-    assert "nan" not in out and "inf" not in out
 
 
 def test_prefix_cache_counters_parsed_from_either_server() -> None:

@@ -59,7 +59,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]
     """
     from conftest import run_gateway
 
-    from clora_feedback.models.tiny import build_tiny_model_dir
+    from clora_feedback.model.tiny import build_tiny_model_dir
 
     model = build_tiny_model_dir(
         tmp_path_factory.mktemp("models") / "tiny-long", seed=0, max_position_embeddings=8192

@@ -18,7 +18,6 @@ from fastapi.testclient import TestClient
 from clora_feedback.config import AgentConfig, EngineConfig, Settings
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
-from clora_feedback.engine.types import AdapterRef
 from clora_feedback.errors import AdapterError, CloraError, ConflictError, NotFoundError
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.agents import AgentRegistry
@@ -26,6 +25,7 @@ from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
 from clora_feedback.service import _register_initial
 from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.versions import AdapterRef
 
 
 @pytest.fixture(scope="module")

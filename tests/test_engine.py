@@ -16,7 +16,7 @@ from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.engine.types import GenerationRequest, RequestOutput, SamplingParams
 from clora_feedback.errors import AdapterError, ContextLengthError, NotFoundError, OverloadedError
 from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ from clora_feedback.config import EngineConfig
 from clora_feedback.engine.base import Engine, RequestStream
 from clora_feedback.engine.factory import build_engine
 from clora_feedback.engine.types import (
-    AdapterRef,
     GenerationRequest,
     JSONSchemaSpec,
     RequestOutput,
@@ -38,6 +37,7 @@ from clora_feedback.engine.types import (
 from clora_feedback.errors import AdapterError, ConfigError, InvalidRequestError, NotFoundError
 from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, random_lora_weights
+from clora_feedback.store.versions import AdapterRef
 
 EngineFactory = Callable[..., AbstractAsyncContextManager[Engine]]
 

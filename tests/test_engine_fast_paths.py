@@ -7,9 +7,9 @@
   mix of targeted members) against the same reference on the dense form.
 - `DenseKernels` (oneDNN-packed and blocked fp32, packed or upcast bf16)
   against `F.linear`, for every batch size the engine uses.
-- `LoRAModel.decode` (rows in any order, equal or different positions, so with
+- `SlottedDecoder.decode` (rows in any order, equal or different positions, so with
   and without the attention mask) against Hugging Face on the full sequence.
-- `LoRAModel.prefill` and `decode` with adapters in their slots against the
+- `SlottedDecoder.prefill` and `decode` with adapters in their slots against the
   shared differentiable forward (`clora_feedback.model.decoder`) on the same
   base tensors, so the engine and the trainer compute one model.
 """
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from clora_feedback.engine import dense
+from clora_feedback.engine.decoder import KVCache, LoRASlots, PrefillChunk, SlottedDecoder
 from clora_feedback.engine.dense import DenseKernels, packed_supported
-from clora_feedback.engine.model import KVCache, LoRAModel, LoRASlots, PrefillChunk
 from clora_feedback.lora.ops import (
     LoRABatch,
     add_lora_delta_,
@@ -35,7 +35,7 @@ from clora_feedback.lora.ops import (
 )
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.model.decoder import forward_hidden
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -233,7 +233,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("same_length", [True, False])
 def test_decode_rows_in_any_order_match_hf(model_dir: Path, same_length: bool) -> None:
-    model = LoRAModel.from_dir(model_dir, max_loras=2, max_lora_rank=8, target_modules=ALL)
+    model = SlottedDecoder.from_dir(model_dir, max_loras=2, max_lora_rank=8, target_modules=ALL)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(2)
     rows = [0, 2, 3, 5, 6]  # not consecutive: read through a gather
@@ -254,7 +254,7 @@ def test_decode_rows_in_any_order_match_hf(model_dir: Path, same_length: bool) -
 class _SlotLoRA:
     """The engine's slot buffers read through the plain reference (a decoder `LoRAUpdate`)."""
 
-    def __init__(self, model: LoRAModel, slots: list[int]):
+    def __init__(self, model: SlottedDecoder, slots: list[int]):
         self.model, self.slot_ids = model, torch.tensor(slots)
 
     def delta(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor | None:
@@ -265,7 +265,7 @@ class _SlotLoRA:
 
 
 def test_fast_paths_with_adapters_match_the_shared_decoder(model_dir: Path) -> None:
-    model = LoRAModel.from_dir(model_dir, max_loras=3, max_lora_rank=8, target_modules=ALL)
+    model = SlottedDecoder.from_dir(model_dir, max_loras=3, max_lora_rank=8, target_modules=ALL)
     for slot, (rank, targets) in enumerate([(4, ("q_proj", "v_proj")), (8, ALL)], start=1):
         model.write_slot(
             slot, random_lora_weights(model.limits, rank=rank, seed=slot, target_modules=targets)
@@ -304,7 +304,7 @@ def test_mixed_adapters_in_any_row_order_match_each_adapter_alone(
     the cache read in place), each adapter read only up to the batch's highest rank:
     every row's logits are those of its adapter decoding alone (bf16: on this CPU's
     bf16 kernel, `packed` or `upcast`)."""
-    model = LoRAModel.from_dir(
+    model = SlottedDecoder.from_dir(
         model_dir, max_loras=4, max_lora_rank=8, target_modules=ALL, dtype=dtype
     )
     for slot in range(1, 5):
@@ -347,7 +347,7 @@ def test_prefill_many_matches_each_sequence_prefilled_alone(
     adapter twice, chunks after a cached prefix and from position 0) give each chunk's
     logits and write each row's keys/values as that sequence prefilled alone; no other
     row or position of the cache changes."""
-    model = LoRAModel.from_dir(
+    model = SlottedDecoder.from_dir(
         model_dir, max_loras=3, max_lora_rank=8, target_modules=ALL, dtype=dtype
     )
     for slot, rank in ((1, 4), (2, 8), (3, 8)):

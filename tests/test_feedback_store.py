@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from feedback_support import rejoin_all
 from pydantic import ValidationError
 
 from clora_feedback.config import FeedbackConfig, RewardPolicyConfig
@@ -87,9 +88,9 @@ def test_parked_until_trajectory_arrives_then_ttl(store: FeedbackStore) -> None:
     report = store.apply([_res("early", "c9"), _res("never", "c404")], now=100.0)
     assert report.parked == ["early", "never"]
     store.trajectories.record(_trajectory("c9"))
-    joined, dead = store.rejoin_parked(ttl_s=50.0, now=120.0)
+    joined, dead = rejoin_all(store, ttl_s=50.0, now=120.0)
     assert joined == ["early"] and dead == []
-    joined, dead = store.rejoin_parked(ttl_s=50.0, now=200.0)
+    joined, dead = rejoin_all(store, ttl_s=50.0, now=200.0)
     assert joined == [] and [d.event_id for d in dead] == ["never"]
     assert "c404" in dead[0].reason
     assert store.event_state("never") == ("dead", dead[0].reason)
@@ -314,7 +315,9 @@ def test_joins_go_through_the_trajectory_api_only(tmp_path: Path) -> None:
             event_id="r", agent="support", conversation_id="t-1", source="t", outcome="resolved"
         )
         report = store.apply([Incoming(ev, "test")])
-        assert report.rejected and "belongs to agent 'coder'" in report.rejected[0].reason
+        # The conversation is read for the event's agent only: coder's c3 stays out of it.
+        assert report.joined == ["r"] and store.rewards_for("c3") == []
+        assert len(store.rewards_for("c1")) == len(store.rewards_for("c2")) == 1
         assert store.owners(["c1", "c3", "c9"]) == {"c1": "support", "c3": "coder"}
         store.close()
 
@@ -477,7 +480,7 @@ def test_a_parked_id_does_not_block_another_agent(store: FeedbackStore) -> None:
     store.trajectories.record(_trajectory("c-b", agent="sales"))
     assert store.apply([_res("same", "c-b", agent="sales")]).joined == ["same"]
     store.trajectories.record(_trajectory("c-later"))
-    assert store.rejoin_parked(ttl_s=60.0) == (["same"], [])
+    assert rejoin_all(store, ttl_s=60.0) == (["same"], [])
     assert store.event_state("same", agent="support") == ("joined", None)
 
 
@@ -511,7 +514,7 @@ def test_parked_events_are_capped_per_agent(store: FeedbackStore) -> None:
     assert store.event_state("j2") is None and store.event_state("p3") is None
     # A place frees up once a parked event joins.
     store.trajectories.record(_trajectory("c-missing-0"))
-    assert store.rejoin_parked(ttl_s=60.0)[0] == ["p0"]
+    assert rejoin_all(store, ttl_s=60.0)[0] == ["p0"]
     assert store.apply([_res("p3", "c-missing-3")], limit=cap).parked == ["p3"]
 
 

@@ -152,8 +152,9 @@ async def test_an_adapter_the_server_lost_is_a_retriable_503_and_is_loaded_again
 ) -> None:
     from vllm_fixtures import vllm_engine
 
-    from clora_feedback.engine.types import AdapterRef, GenerationRequest, SamplingParams
+    from clora_feedback.engine.types import GenerationRequest, SamplingParams
     from clora_feedback.errors import EngineUnavailableError
+    from clora_feedback.store.versions import AdapterRef
 
     async with vllm_engine(vllm_server) as engine:
         path = tmp_path / "a-v1"

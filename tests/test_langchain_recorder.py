@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from feedback_support import rejoin_all
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
@@ -175,5 +176,5 @@ async def test_async_run_and_async_resolve(url: str, store: FeedbackStore) -> No
         receipt = await recorder.areward(client, 0.75)
     assert receipt.parked == receipt.event_ids  # waits for chatcmpl-y's trajectory
     store.trajectories.record(trajectory(ids[1], agent="sales"))
-    assert store.rejoin_parked(ttl_s=60)[0] == receipt.event_ids
+    assert rejoin_all(store, ttl_s=60)[0] == receipt.event_ids
     assert [r["value"] for r in store.rewards_for(ids[1])] == [0.75]

@@ -28,7 +28,7 @@ from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 from clora_feedback.schemas.feedback import Correction, Event, Resolution, Reward
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore

@@ -15,11 +15,11 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from clora_feedback.engine.model import KVCache, LoRAModel
+from clora_feedback.engine.decoder import KVCache, SlottedDecoder
 from clora_feedback.lora.ops import LoRABatch, lora_delta, lora_delta_reference
 from clora_feedback.lora.peft_io import load_peft_adapter, save_peft_adapter
 from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOL = 1e-4
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", seed=3)
 
 
-def _adapters(model: LoRAModel) -> list[LoRAWeights]:
+def _adapters(model: SlottedDecoder) -> list[LoRAWeights]:
     specs = [
         (2, ALL),
         (4, ("q_proj", "v_proj")),
@@ -55,7 +55,7 @@ def _peft_logits(model_dir: Path, adapter_dir: Path | None, ids: torch.Tensor) -
 def test_mixed_batch_matches_each_adapter_alone_through_peft(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    model = LoRAModel.from_dir(model_dir, max_loras=4, max_lora_rank=16, target_modules=ALL)
+    model = SlottedDecoder.from_dir(model_dir, max_loras=4, max_lora_rank=16, target_modules=ALL)
     adapters = _adapters(model)
     dirs = []
     for i, w in enumerate(adapters):
@@ -83,7 +83,7 @@ def test_mixed_batch_matches_each_adapter_alone_through_peft(
 
 
 def test_prefill_with_adapter_matches_peft(model_dir: Path, tmp_path: Path) -> None:
-    model = LoRAModel.from_dir(model_dir, max_loras=2, max_lora_rank=16, target_modules=ALL)
+    model = SlottedDecoder.from_dir(model_dir, max_loras=2, max_lora_rank=16, target_modules=ALL)
     weights = _adapters(model)[3]
     save_peft_adapter(weights, tmp_path / "a", base_model=str(model_dir))
     model.write_slot(2, weights)

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clora_feedback.config import DEFAULT_MODEL
 from clora_feedback.errors import InvalidRequestError, NotFoundError
-from clora_feedback.models import default as default_mod
-from clora_feedback.models.resolve import resolve_model_dir, validate_model_dir
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model import default as default_mod
+from clora_feedback.model.resolve import resolve_model_dir, validate_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 
 TEXTS = [
     "Hello, world!",

@@ -25,7 +25,7 @@ from clora_feedback.engine.types import (
 )
 from clora_feedback.gateway.metrics import Metrics
 from clora_feedback.lora.weights import random_lora_weights
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 
 SYSTEM = "You are a careful assistant for a bicycle shop. Answer briefly. "
 

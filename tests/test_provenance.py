@@ -336,7 +336,7 @@ async def test_an_engine_that_reads_the_directory_is_checked_from_the_manifest(
 async def test_a_trainer_handoff_is_probed_too(
     tmp_path: Path, tiny_model_dir: Path, served: BaseIdentity
 ) -> None:
-    from clora_feedback.engine.types import AdapterRef
+    from clora_feedback.store.versions import AdapterRef
 
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=128, num_threads=1)
     eng = EmbeddedEngine(tiny_model_dir, config, model_name="tiny-base")

@@ -343,7 +343,8 @@ _CRASH_SCRIPT = textwrap.dedent(
     from clora_feedback.config import DEFAULT_TARGET_MODULES
     from clora_feedback.lora import tensor_files
     from clora_feedback.lora.weights import LoRALimits, random_lora_weights
-    from clora_feedback.store import artifact, registry as registry_module
+    from clora_feedback.store import artifact
+    from clora_feedback.store.registry import core as registry_module
 
     root, db, point = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     shapes = {json_shapes}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from feedback_support import rejoin_all
 
 from clora_feedback.config import FeedbackConfig, RetentionConfig, Settings
 from clora_feedback.errors import GoneError
@@ -104,7 +105,7 @@ def test_deleted_trajectories_never_train_and_their_feedback_parks_then_dies(
     assert {s.completion_id for s in feedback.training_samples("a")} == {"c2"}
     report = feedback.apply([_reward(feedback, "e3", "c1")])
     assert report.parked == ["e3"]  # as if never stored: parked...
-    _, dead = feedback.rejoin_parked(ttl_s=0.0, now=now + 1)
+    _, dead = rejoin_all(feedback, ttl_s=0.0, now=now + 1)
     assert [d.event_id for d in dead] == ["e3"]  # ...then dead after the park TTL
     # The TTL, through a retention pass.
     _record(trajectories, "old", "b", "conv9", now - 5000)
@@ -234,7 +235,7 @@ def test_a_schema_2_registry_upgrades_in_place(tmp_path: Path, store_url: str) -
     from crash_prune_child import LIMITS
 
     from clora_feedback.lora.weights import random_lora_weights
-    from clora_feedback.store.index import SCHEMA_VERSION
+    from clora_feedback.store.registry.index import SCHEMA_VERSION
     from clora_feedback.store.sql import set_pg_schema_version
 
     with AdapterRegistry(tmp_path / "adapters", db=store_url) as registry:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from clora_feedback.store import index
 from clora_feedback.store.lease import TrainerLeases
-from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.registry import AdapterRegistry, index
 
 AGENTS = ["a", "b", "c", "d"]
 TTL = 15.0

@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from feedback_support import rejoin_all
 
 from clora_feedback.cli.main import main
 from clora_feedback.config import DEFAULT_TARGET_MODULES, FeedbackConfig, Settings
@@ -126,8 +127,8 @@ def _fill(stores: Stores) -> None:
     # Parked at 100: `c9` arrives later and joins on rejoin, `c404` never does (dead letter).
     assert f.apply([_resolution("p1", "c9"), _resolution("p2", "c404")], now=100.0).parked
     t.record(_trajectory("c9"))
-    assert f.rejoin_parked(ttl_s=50.0, now=120.0)[0] == ["p1"]
-    assert [d.event_id for d in f.rejoin_parked(ttl_s=50.0, now=200.0)[1]] == ["p2"]
+    assert rejoin_all(f, ttl_s=50.0, now=120.0)[0] == ["p1"]
+    assert [d.event_id for d in rejoin_all(f, ttl_s=50.0, now=200.0)[1]] == ["p2"]
     assert f.apply([_resolution("p3", "c10")], now=time.time()).parked == ["p3"]  # stays parked
     registry = stores.registry
     v1 = _publish(registry, 1, None)
@@ -212,7 +213,7 @@ def test_writes_after_migration_continue_ids_and_cursors(
         assert {s.completion_id for s in new} == {"c11"} and min(s.last_seq for s in new) > last_seq
         # The parked event joins when its trajectory arrives: the rejoin cursor carried over.
         pg.trajectories.record(_trajectory("c10"))
-        assert pg.feedback.rejoin_parked(ttl_s=3600.0)[0] == ["p3"]
+        assert rejoin_all(pg.feedback, ttl_s=3600.0)[0] == ["p3"]
         pg.registry.unpin("support")
         assert _publish(pg.registry, 3, 1) == 3  # after the rolled-back 2: never reused
         assert pg.registry.active("support").version == 3  # type: ignore[union-attr]

@@ -29,9 +29,10 @@ from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.lora.weights import LoRALimits, random_lora_weights
 from clora_feedback.schemas.feedback import Resolution
-from clora_feedback.store import index, registry_schema, trajectories
+from clora_feedback.store import trajectories
 from clora_feedback.store.db import is_postgres_url, open_database, redact
-from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.registry import AdapterRegistry, index
+from clora_feedback.store.registry import schema as registry_schema
 from clora_feedback.store.sql import PG_SCHEMA_TABLE
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
 

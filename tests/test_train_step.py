@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from clora_feedback.lora.peft_io import save_peft_adapter
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 from clora_feedback.train.forward import PackedBatch, TrainLoRA
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import DecoderPolicy

@@ -19,7 +19,7 @@ from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 from clora_feedback.schemas.feedback import Correction, Reward
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore

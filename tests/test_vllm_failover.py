@@ -24,13 +24,14 @@ from vllm_fixtures import VLLMServer, vllm_venv
 
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.factory import build_engine
-from clora_feedback.engine.types import AdapterRef, GenerationRequest, SamplingParams
+from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.engine.vllm import VLLMEngine
 from clora_feedback.engine.vllm.replicas import rendezvous_score
 from clora_feedback.engine.vllm.supervisor import VLLMSupervisor
 from clora_feedback.errors import EngineUnavailableError
 from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.store.versions import AdapterRef
 
 pytestmark = pytest.mark.vllm
 

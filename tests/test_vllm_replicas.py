@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from vllm_stand_in import serve, sse, start_up_answer
 
 from clora_feedback.config import EngineConfig
-from clora_feedback.engine.types import AdapterRef, GenerationRequest, SamplingParams
+from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.engine.vllm import VLLMEngine
 from clora_feedback.engine.vllm.names import ServedName
 from clora_feedback.engine.vllm.replicas import (
@@ -34,6 +34,7 @@ from clora_feedback.engine.vllm.replicas import (
 from clora_feedback.errors import EngineUnavailableError, OverloadedError
 from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import random_lora_weights
+from clora_feedback.store.versions import AdapterRef
 
 
 class FakeClient:

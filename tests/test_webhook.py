@@ -24,6 +24,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from feedback_support import rejoin_all
 
 from clora_feedback.client import SIGNATURE_HEADER, FeedbackDeliveryError, sign_body
 from clora_feedback.config import FeedbackConfig, Settings
@@ -354,7 +355,7 @@ def test_unknown_completion_is_parked_then_joined(start: Start, store: FeedbackS
     assert response.status_code == 202
     assert response.json()["parked"] == ["early"] and response.json()["joined"] == []
     store.trajectories.record(trajectory("c-later"))
-    joined, dead = store.rejoin_parked(ttl_s=60)
+    joined, dead = rejoin_all(store, ttl_s=60)
     assert joined == ["early"] and dead == []
     assert [r["value"] for r in store.rewards_for("c-later")] == [1.0]
 
@@ -466,7 +467,7 @@ def test_parked_limit_answers_429_with_retry_after(start: Start, store: Feedback
     assert other.status_code == 202
     # Once a parked event joins, a place is free again.
     store.trajectories.record(trajectory("c-a"))
-    assert store.rejoin_parked(ttl_s=60)[0] == ["p1"]
+    assert rejoin_all(store, ttl_s=60)[0] == ["p1"]
     retried = http.post(
         "/v1/feedback",
         json=[resolution("ok", "c-support-2"), resolution("p3", "c-c")],

@@ -33,7 +33,7 @@ import pytest
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.factory import build_engine
-from clora_feedback.models.tiny import build_tiny_model_dir
+from clora_feedback.model.tiny import build_tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / "var" / "vllm-venv"

@@ -350,7 +350,7 @@ def run(argv: Sequence[str]) -> int:
         args.out = args.child_out
         return _child(args)
     from clora_feedback.config import Settings
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
 
     ns = sorted({int(x) for x in args.ns.split(",")})
     cfg = ExperimentConfig(

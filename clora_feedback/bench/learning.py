@@ -462,7 +462,7 @@ def run(argv: Sequence[str]) -> int:
         print(f"unknown tasks {unknown}; choose from {', '.join(FAMILIES)}")
         return 2
     from clora_feedback.config import DEFAULT_MODEL
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
 
     for name in ("httpx", "httpx2", "openai", "uvicorn.access"):  # a line per request otherwise
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))

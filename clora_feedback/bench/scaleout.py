@@ -434,7 +434,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def run(argv: list[str]) -> int:
     """`clora bench scaleout [options]`: measure, print the table and machine facts."""
-    from clora_feedback.models.tiny import build_tiny_model_dir
+    from clora_feedback.model.tiny import build_tiny_model_dir
 
     args = _parse(argv)
     parts = set(args.parts.split(","))

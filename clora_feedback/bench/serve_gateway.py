@@ -45,7 +45,8 @@ each distinct adapter's A and B at its real rank) times the measured steps/s,
 against the machine's ~27 GB/s copy bandwidth.
 
 Not a test: nothing here asserts, and pytest never collects it.
-Not here: the in-process engine benchmarks (`serve`, `--in-process`).
+Not here: the in-process engine benchmarks (`python -m benchmarks.serve`, outside the
+package); `--engine vllm` runs `vllm_serve`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from pathlib import Path
 
 import httpx
 
+from clora_feedback.bench import OMP_WAIT_POLICIES
 from clora_feedback.bench.http_workload import (
     EpisodeRun,
     StreamedBatch,
@@ -74,7 +76,8 @@ from clora_feedback.bench.http_workload import (
     load_adapters,
     unload_adapters,
 )
-from clora_feedback.config import EngineConfig, Settings
+from clora_feedback.bench.report import machine_facts
+from clora_feedback.config import DEFAULT_MODEL, EngineConfig, Settings
 from clora_feedback.model.config import ModelConfig
 
 PROMPTS = tuple(
@@ -141,14 +144,32 @@ class Options:
     json_path: Path | None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="Embedded engine dtypes.")
-    parser.add_argument("--against", default=None, help="Another OpenAI server's base URL.")
-    parser.add_argument("--against-label", default="vLLM-CPU", help="Its name in the table.")
-    parser.add_argument(
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clora bench serve", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="Fewer tokens and repetitions.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Model spec (default: %(default)s).")
+    p.add_argument("--cache-dir", type=Path, default=Path("var/models"), help="Model cache.")
+    p.add_argument("--threads", type=int, default=None, help="Engine threads (default: all).")
+    p.add_argument("--new-tokens", type=int, default=None, help="Tokens per request.")
+    p.add_argument("--agent-tokens", type=int, default=None, help="Tokens per agent turn (6.).")
+    p.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
+    p.add_argument(
+        "--engine", default="embedded", choices=["embedded", "vllm"],
+        help="`vllm`: the gateway on vLLM instead (`clora_feedback.bench.vllm_serve`).",
+    )  # fmt: skip
+    p.add_argument(
+        "--omp-wait-policy", default="passive", choices=OMP_WAIT_POLICIES,
+        help="OpenMP idle threads: sleep (passive), spin (active) or as the environment says "
+        "(inherit). Applied by `run_bench` before torch loads.",
+    )  # fmt: skip
+    p.add_argument("--dtypes", default="float32,bfloat16", help="Embedded engine dtypes.")
+    p.add_argument("--against", default=None, help="Another OpenAI server's base URL.")
+    p.add_argument("--against-label", default="vLLM-CPU", help="Its name in the table.")
+    p.add_argument(
         "--against-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="Its dtype."
     )
-    parser.add_argument("--reps", type=int, default=None, help="Repetitions round the targets.")
+    p.add_argument("--reps", type=int, default=None, help="Repetitions round the targets.")
+    return p
 
 
 def options_from(args: argparse.Namespace, *, quick: bool) -> Options:
@@ -164,7 +185,7 @@ def options_from(args: argparse.Namespace, *, quick: bool) -> Options:
         against_label=args.against_label,
         against_dtype=args.against_dtype,
         new_tokens=args.new_tokens or (32 if quick else 64),
-        agent_tokens=getattr(args, "agent_tokens", None) or (16 if quick else 32),
+        agent_tokens=args.agent_tokens or (16 if quick else 32),
         reps=args.reps or (2 if quick else 4),
         threads=args.threads,
         json_path=args.json,
@@ -277,43 +298,46 @@ async def _run_targets(targets: list[Target], peft: dict[str, Path], o: Options)
 
 async def measure(o: Options) -> tuple[list[Target], ModelConfig]:
     """Start a gateway per dtype, write the adapters, and take every figure on every target."""
-    from clora_feedback.bench.gateway import _uvicorn_thread
-    from clora_feedback.engine.embedded import EmbeddedEngine
-    from clora_feedback.gateway.app import create_app
+    from clora_feedback.demo.server import LocalServer
     from clora_feedback.lora.peft_io import save_peft_adapter
     from clora_feedback.lora.weights import random_lora_weights
-    from clora_feedback.models.resolve import resolve_model_dir
-    from clora_feedback.store.trajectories import AsyncTrajectoryStore
+    from clora_feedback.model.resolve import resolve_model_dir
+    from clora_feedback.service import build_service
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model_dir = resolve_model_dir(o.model, o.cache_dir)
     targets: list[Target] = []
     with tempfile.TemporaryDirectory(prefix="clora-bench-serve-") as scratch, contextlib.ExitStack() as stack:  # fmt: skip
         work = Path(scratch)
-        engines = []
+        services = []
         for dtype in o.dtypes:
-            config = EngineConfig(
-                model=str(model_dir), dtype=dtype, num_threads=o.threads, max_loras=8,
-                max_lora_rank=16, max_num_seqs=16, max_model_len=2048,
-            )  # fmt: skip
-            engine = EmbeddedEngine(model_dir, config)
-            engines.append(engine)
-            gw = work / f"gw-{dtype}"
-            settings = Settings(data_dir=gw, adapters_dir=gw / "adapters", engine=config, agents=[])
-            app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
-            url = stack.enter_context(_uvicorn_thread(app))
-            targets.append(Target(f"embedded {dtype}", url, dtype))
-        limits = engines[0].lora_limits
+            service = build_service(gateway_settings(model_dir, work / f"gw-{dtype}", dtype, o))
+            services.append(service)
+            server = stack.enter_context(LocalServer(service))
+            targets.append(Target(f"embedded {dtype}", server.url, dtype))
+        engine = services[0].engine
         peft = {}
         for i in range(ROWS):
-            weights = random_lora_weights(limits, rank=ADAPTER_RANK, seed=i, std=0.05)
+            weights = random_lora_weights(engine.lora_limits, rank=ADAPTER_RANK, seed=i, std=0.05)
             peft[f"a{i}"] = work / "peft" / f"a{i}"
-            save_peft_adapter(weights, peft[f"a{i}"], base_model=engines[0].model_name)
+            save_peft_adapter(weights, peft[f"a{i}"], base_model=engine.model_name)
         if o.against is not None:
             targets.append(Target(o.against_label, o.against, o.against_dtype))
         await _run_targets(targets, peft, o)
-        model_config = engines[0].model.config
-    return targets, model_config
+    return targets, ModelConfig.from_dir(model_dir)
+
+
+def gateway_settings(model_dir: Path, data_dir: Path, dtype: str, o: Options) -> Settings:
+    """A gateway as `clora serve` builds it on `dtype`: serving only (no trainer, no broker)."""
+    engine = EngineConfig(
+        model=str(model_dir), dtype=dtype, num_threads=o.threads, max_loras=8,
+        max_lora_rank=16, max_num_seqs=16, max_model_len=2048,
+    )  # fmt: skip
+    return Settings.model_validate(
+        {"data_dir": data_dir, "adapters_dir": data_dir / "adapters", "engine": engine,
+         "agents": [], "feedback": {"kafka": {"embedded_broker": False}},
+         "trainer": {"enabled": False, "guard": {"enabled": False}}}
+    )  # fmt: skip
 
 
 def _median_ratio(a: Target, b: Target, fa: str, fb: str | None = None) -> float:
@@ -439,7 +463,7 @@ def episode_notes(targets: list[Target], o: Options) -> list[str]:
     return notes
 
 
-def run(o: Options, facts: dict[str, str]) -> int:
+def report(o: Options, facts: dict[str, str]) -> int:
     """Run every target, print the tables and the machine facts."""
     start = time.perf_counter()
     targets, config = asyncio.run(measure(o))
@@ -473,3 +497,13 @@ def run(o: Options, facts: dict[str, str]) -> int:
             json.dumps({"facts": facts, "results": values, "runs": raw}, indent=2)
         )
     return 0
+
+
+def run(argv: list[str]) -> int:
+    """`clora bench serve ARGV` (`--engine vllm`: `vllm_serve.run`)."""
+    args = build_parser().parse_args(argv)
+    if args.engine == "vllm":
+        from clora_feedback.bench.vllm_serve import run as run_vllm
+
+        return run_vllm(argv)
+    return report(options_from(args, quick=bool(args.quick)), machine_facts())

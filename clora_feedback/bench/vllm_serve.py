@@ -479,7 +479,7 @@ def table(v: dict[str, float], o: Options) -> str:
 
 
 async def _main(o: Options) -> dict[str, float]:
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(o.model, o.cache_dir)
     with tempfile.TemporaryDirectory(prefix="clora-bench-vllm-") as scratch:

@@ -80,8 +80,9 @@ def run_store(args: argparse.Namespace) -> int:
 def store_parts(settings: Settings) -> list[StorePart]:
     """The three stores of a `clora serve` with these settings, as migration parts."""
     from clora_feedback.feedback import tables as feedback_tables
-    from clora_feedback.store import registry_schema, trajectories
+    from clora_feedback.store import trajectories
     from clora_feedback.store.migrate import StorePart
+    from clora_feedback.store.registry import schema as registry_schema
 
     return [
         StorePart(

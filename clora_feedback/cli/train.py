@@ -74,7 +74,7 @@ async def _serve(settings: object, *, owner: str | None, guard: bool) -> None:
     from clora_feedback.feedback.rewards import DefaultRewardPolicy
     from clora_feedback.feedback.store import FeedbackStore
     from clora_feedback.lifecycle import AsyncLifecycle
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
     from clora_feedback.service import build_policy
     from clora_feedback.store.lease import TrainerLeases
     from clora_feedback.store.provenance import base_identity

@@ -196,7 +196,7 @@ def main(argv: Sequence[str], defaults: ExperimentConfig, *, goal: float | None,
     if any(m not in MODES for m in modes):
         raise SystemExit(f"modes must be among {MODES}")
     from clora_feedback.config import Settings
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model, args.model_cache or Settings().model_cache_dir)
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -405,7 +405,7 @@ def write_results(demo: Demo, registry: Any, out_dir: Path, *, interrupted: bool
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Run the demo until done or Ctrl-C; write the results; return the summary."""
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
     from clora_feedback.service import build_service
 
     if config.fresh and config.data_dir.exists():

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 from clora_feedback.engine.types import (
-    AdapterRef,
     EngineCapabilities,
     EngineStats,
     GenerationRequest,
     RequestOutput,
 )
+from clora_feedback.store.versions import AdapterRef
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -58,11 +58,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from clora_feedback.engine.base import Engine
-from clora_feedback.engine.types import AdapterRef
 from clora_feedback.errors import CloraError, NotFoundError
 from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.peft_io import load_peft_adapter
-from clora_feedback.store.versions import AdapterStore, VersionInfo, check_pointer_move
+from clora_feedback.store.versions import AdapterRef, AdapterStore, VersionInfo, check_pointer_move
 
 if TYPE_CHECKING:
     from clora_feedback.lora.weights import LoRAWeights
@@ -127,7 +126,9 @@ class Deployer(BackgroundTask):
         self.registry = registry
         self.poll_interval_s = poll_interval_s
         self.base_model = base_model or engine.model_name
-        self._in_memory = engine if isinstance(engine, InMemoryAdapters) else None
+        # An engine that promises in-memory adapters gets the trainer's tensors directly.
+        in_memory = engine.capabilities.in_memory_adapters
+        self._in_memory = engine if in_memory and isinstance(engine, InMemoryAdapters) else None
         self._on_stop = on_stop
         self._serving: dict[str, int] = {}  # what the engine serves, by this deployer's hand
         self._handoffs: dict[str, int] = {}  # trainer hand-offs whose pointer has not moved yet

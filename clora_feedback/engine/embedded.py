@@ -43,15 +43,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from clora_feedback.chat_format.constraint import vocab_texts
 from clora_feedback.config import EngineConfig
+from clora_feedback.engine.decoder import KVCache, PrefillChunk, SlottedDecoder
 from clora_feedback.engine.detok import Detokenizer
 from clora_feedback.engine.guided import check_supported, compile_guided
-from clora_feedback.engine.model import KVCache, LoRAModel, PrefillChunk
 from clora_feedback.engine.prefix_cache import PrefixCache, PrefixChain
 from clora_feedback.engine.sampling import RowSampler, sample_batch
 from clora_feedback.engine.slots import AdapterSlots, HostAdapters
 from clora_feedback.engine.stream import RequestStreamImpl, engine_failure
 from clora_feedback.engine.types import (
-    AdapterRef,
     EngineCapabilities,
     EngineStats,
     FinishReason,
@@ -71,6 +70,7 @@ from clora_feedback.lora.ops import LoRABatch
 from clora_feedback.lora.peft_io import load_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
 from clora_feedback.model.base import BaseWeights
+from clora_feedback.store.versions import AdapterRef
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class EmbeddedEngine:
     """Reference `Engine`: torch on CPU or CUDA, one model, many adapters, one batch."""
 
     prefill_chunk_tokens = 512
-    # One forward for every prompt chunk of a step (`LoRAModel.prefill_many`); False runs
+    # One forward for every prompt chunk of a step (`SlottedDecoder.prefill_many`); False runs
     # them one sequence at a time (the baseline of scripts/prefill_batch_profile.py).
     batch_prefill = True
 
@@ -132,7 +132,7 @@ class EmbeddedEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.model = LoRAModel.from_dir(
+        self.model = SlottedDecoder.from_dir(
             Path(model_dir),
             max_loras=config.max_loras + 1,  # + the spare slot updates are staged into
             max_lora_rank=config.max_lora_rank,
@@ -444,7 +444,7 @@ class EmbeddedEngine:
         """Advance prompts under the step's token budget; returns sequences that got their first token.
 
         The chunks of every sequence in this step run as one forward
-        (`LoRAModel.prefill_many`), so agents that arrive together share the
+        (`SlottedDecoder.prefill_many`), so agents that arrive together share the
         weight reads and the bigger GEMMs.
         """
         budget = self.prefill_chunk_tokens

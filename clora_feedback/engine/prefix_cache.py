@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clora_feedback.engine.model import KVCache
+from clora_feedback.engine.decoder import KVCache
 from clora_feedback.engine.slots import SlotIdentity
 from clora_feedback.engine.types import PrefixCacheStats
 

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from clora_feedback.engine.model import LoRAModel
+from clora_feedback.engine.decoder import SlottedDecoder
 from clora_feedback.engine.types import BASE_VERSION
 from clora_feedback.errors import NotFoundError
 from clora_feedback.lora.weights import LoRAWeights
@@ -74,7 +74,7 @@ class AdapterSlots:
             for the step thread inside its own critical section.
     """
 
-    def __init__(self, model: LoRAModel, lock: threading.Condition) -> None:
+    def __init__(self, model: SlottedDecoder, lock: threading.Condition) -> None:
         self._model = model
         self._lock = lock
         self._adapters: HostAdapters = {}  # host copies: the source of truth

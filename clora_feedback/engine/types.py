@@ -13,38 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from clora_feedback.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from clora_feedback.lora.weights import LoRAWeights
+    pass
 
 FinishReason = Literal["stop", "length", "abort"]
 
 BASE_VERSION = 0
 """Adapter version reported for tokens generated with no adapter (the base model)."""
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """An immutable adapter version, as an engine is asked to serve it.
-
-    Attributes:
-        agent: the public agent name.
-        version: the registry's version number (>= 1; never reused for the agent).
-        path: the version's PEFT directory (`adapter_config.json` +
-            `adapter_model.safetensors`); every engine can load from it.
-        weights: the same tensors already in memory, an optional fast path for an
-            engine that lives in this process (`EngineCapabilities.in_memory_adapters`);
-            other engines ignore it.
-    """
-
-    agent: str
-    version: int
-    path: Path | None
-    weights: LoRAWeights | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

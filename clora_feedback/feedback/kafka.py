@@ -78,7 +78,7 @@ from clora_feedback.feedback.records import (
     kafka_client_options,
     kafka_error,
 )
-from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming, Rejected
+from clora_feedback.feedback.store import ApplyReport, FeedbackStore, Incoming
 from clora_feedback.lifecycle import AsyncLifecycle
 from clora_feedback.schemas.feedback import Event
 
@@ -375,10 +375,6 @@ class FeedbackConsumer(AsyncLifecycle):
                 return report
         await self._back_off(failure, sum(len(records) for records in batch.values()))
         return None
-
-    async def rejoin_parked(self, *, now: float | None = None) -> tuple[list[str], list[Rejected]]:
-        """One round of the ingest's rejoin (see `FeedbackIngest.rejoin_parked`)."""
-        return await self.ingest.rejoin_parked(now=now)
 
     # -- the batch ----------------------------------------------------------------------
 

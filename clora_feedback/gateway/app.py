@@ -24,12 +24,12 @@ from clora_feedback.config import Settings
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.gateway.access import install_access_log_redaction
-from clora_feedback.gateway.admin import AdapterAdminHandler, ModelsHandler, TrajectoryHandler
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import KeyAuthenticator
 from clora_feedback.gateway.chat import ChatHandler
 from clora_feedback.gateway.completions import CompletionHandler
 from clora_feedback.gateway.errors import install_error_handlers
+from clora_feedback.gateway.handlers import AdapterAdminHandler, ModelsHandler, TrajectoryHandler
 from clora_feedback.gateway.limits import BodyLimitMiddleware
 from clora_feedback.gateway.metrics import HTTPMetricsMiddleware, Metrics
 from clora_feedback.gateway.openapi import install_openapi

@@ -30,12 +30,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from clora_feedback.engine.base import Engine
 from clora_feedback.errors import NotFoundError
-from clora_feedback.gateway.admin import (
-    AdapterAdminHandler,
-    ModelsHandler,
-    TrajectoryHandler,
-    health,
-)
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import (
     KeyAuthenticator,
@@ -45,6 +39,12 @@ from clora_feedback.gateway.auth import (
 )
 from clora_feedback.gateway.chat import ChatHandler
 from clora_feedback.gateway.completions import CompletionHandler
+from clora_feedback.gateway.handlers import (
+    AdapterAdminHandler,
+    ModelsHandler,
+    TrajectoryHandler,
+    health,
+)
 from clora_feedback.gateway.metrics import Metrics
 from clora_feedback.gateway.offload import body_size
 from clora_feedback.gateway.responses import ResponsesHandler

@@ -1,6 +1,6 @@
 """Per-row multi-LoRA math: every row of a batch may use a different adapter.
 
-Adapters live in preallocated slot buffers (see `clora_feedback.engine.model`):
+Adapters live in preallocated slot buffers (see `clora_feedback.engine.decoder`):
 `a_slots` [S, R, in] and `b_slots` [S, out, R], slot 0 all zeros ("no
 adapter"), lower ranks zero-padded to R, the alpha/r scaling folded into B.
 

@@ -6,7 +6,7 @@ the embedding and the vocabulary projection, and the RoPE tables. Nothing here
 is ever written after loading, so one instance can back a serving engine and
 a trainer at the same time (no second copy of the model).
 
-Not here: adapter slots and the serving fast path (`clora_feedback.engine.model`),
+Not here: adapter slots and the serving fast path (`clora_feedback.engine.decoder`),
 the forward itself (`decoder`).
 """
 

@@ -12,7 +12,7 @@ and `None` means the base model (the reference policy, adapter disabled).
 Shapes: B rows, T positions, H query heads, K key/value heads, D head size.
 
 Not here: KV caches, adapter slots and the decode fast path (see
-`clora_feedback.engine.model`), losses (see `clora_feedback.train`).
+`clora_feedback.engine.decoder`), losses (see `clora_feedback.train`).
 """
 
 from __future__ import annotations

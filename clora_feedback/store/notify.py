@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from clora_feedback.store.db import redact
-from clora_feedback.store.registry_schema import POINTER_CHANNEL
+from clora_feedback.store.registry.schema import POINTER_CHANNEL
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ Status of a version: `active` (the agent's active pointer), `rolled_back`
 (marked by a rollback past it, with the reason), `superseded` (older than the
 active one), `staged` (published with `activate=False`, never activated) or
 `inactive` (an unload pointed the agent at no version; a rollback to it
-activates it again). `clora_feedback.store.index` computes it.
+activates it again). `clora_feedback.store.registry.index` computes it.
 
 Not here: any I/O.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,6 +31,26 @@ if TYPE_CHECKING:
 
 AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 """Valid agent names: the pattern of `AgentConfig.name`, checked again because names become paths."""
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An immutable adapter version, as an engine is asked to serve it.
+
+    Attributes:
+        agent: the public agent name.
+        version: the registry's version number (>= 1; never reused for the agent).
+        path: the version's PEFT directory (`adapter_config.json` +
+            `adapter_model.safetensors`); every engine can load from it.
+        weights: the same tensors already in memory, an optional fast path for an
+            engine that lives in this process (`engine.types.EngineCapabilities.in_memory_adapters`);
+            other engines ignore it.
+    """
+
+    agent: str
+    version: int
+    path: Path | None
+    weights: LoRAWeights | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

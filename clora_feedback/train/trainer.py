@@ -68,13 +68,12 @@ from typing import Protocol
 import torch
 
 from clora_feedback.config import TrainerConfig
-from clora_feedback.engine.types import AdapterRef
 from clora_feedback.errors import ConflictError, NotFoundError, StoreError
 from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.priority import lower_thread_priority
 from clora_feedback.store.lease import TrainerLeases
-from clora_feedback.store.versions import AdapterStore
+from clora_feedback.store.versions import AdapterRef, AdapterStore
 from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import PolicyModel

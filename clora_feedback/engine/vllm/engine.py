@@ -52,7 +52,6 @@ from clora_feedback.engine.detok import Detokenizer
 from clora_feedback.engine.guided import check_supported
 from clora_feedback.engine.stream import RequestStreamImpl
 from clora_feedback.engine.types import (
-    AdapterRef,
     EngineCapabilities,
     EngineStats,
     FinishReason,
@@ -84,6 +83,7 @@ from clora_feedback.errors import (
 from clora_feedback.lora.peft_io import check_peft_adapter
 from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.model.config import ModelConfig
+from clora_feedback.store.versions import AdapterRef
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from clora_feedback.errors import ConflictError, GoneError, NotFoundError
 from clora_feedback.store.db import Tx
-from clora_feedback.store.index import AGENT_COLUMNS, VERSION_COLUMNS
+from clora_feedback.store.registry.index import AGENT_COLUMNS, VERSION_COLUMNS
 
 
 def version_not_found(agent: str, version: int, *, param: str = "version") -> NotFoundError:

@@ -138,7 +138,7 @@ class _DecodeStep:
         bias: [B*K, 1, span] additive mask (-inf past each row's position, rows in
             cache order when `to_run` is set), or None when every row is at the same position.
         to_run, from_run: when the rows are a consecutive run in another order (the
-            batch sorted by adapter slot, see `LoRAModel.decode`): batch entry of each
+            batch sorted by adapter slot, see `SlottedDecoder.decode`): batch entry of each
             run row, and run row of each batch entry; None when the batch is in run order.
     """
 
@@ -155,7 +155,7 @@ class _DecodeStep:
 
     @classmethod
     def build(
-        cls, model: LoRAModel, rows: list[int], positions: torch.Tensor, cache: KVCache
+        cls, model: SlottedDecoder, rows: list[int], positions: torch.Tensor, cache: KVCache
     ) -> _DecodeStep:
         c, device = model.config, model.device
         b, kv = len(rows), c.num_kv_heads
@@ -220,7 +220,7 @@ class _DecodeStep:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """One sequence's share of a `LoRAModel.prefill_many` forward.
+    """One sequence's share of a `SlottedDecoder.prefill_many` forward.
 
     Attributes:
         token_ids: [T] prompt tokens at positions start..start+T-1 (T >= 1).
@@ -235,7 +235,7 @@ class PrefillChunk:
     start: int = 0
 
 
-class LoRAModel:
+class SlottedDecoder:
     """The decoder for serving: shared base weights plus per-layer adapter slots.
 
     The base tensors are a `BaseWeights` (read, never written), so the same
@@ -294,7 +294,7 @@ class LoRAModel:
         target_modules: tuple[str, ...],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-    ) -> LoRAModel:
+    ) -> SlottedDecoder:
         return cls(
             BaseWeights.from_dir(model_dir, dtype=dtype, device=device),
             max_loras=max_loras,

