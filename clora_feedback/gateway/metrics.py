@@ -13,6 +13,14 @@ Counters are kept in process memory and rendered on `GET /metrics`:
     clora_engine_prefix_cache_{hits,misses,evictions}_total   prefix-cache blocks (when on)
     clora_engine_prefix_cache_bytes / _capacity_bytes  its memory and bound (gauges)
 
+Bounded whatever the number of agents: families labelled by `agent` keep rows
+for the `top_agents` agents with the most completions (ties by name) and fold
+every other agent into one `agent="_other"` row (counters: summed, so a family
+still adds up to the total; gauges such as the adapter version: left out).
+`clora_agents{state}` counts the agents (`served`: with a live adapter;
+`labelled`: with their own rows), so a scrape is O(top_agents) lines whatever
+the fleet. `top_agents: 0` keeps only the aggregates.
+
 `HTTPMetricsMiddleware` is a plain ASGI middleware (not Starlette's
 `BaseHTTPMiddleware`, which buffers streams and hides client disconnects) that
 labels requests by route template, so label cardinality stays bounded.
@@ -31,6 +39,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clora_feedback.engine.types import EngineStats
+
+OTHER_AGENTS = "_other"
+"""The `agent` label of the row that folds every agent beyond the top ones (counters)."""
 
 
 def _escape(value: str) -> str:
@@ -55,9 +66,15 @@ class Family:
 
 
 class Metrics:
-    """Thread-safe counters for the gateway."""
+    """Thread-safe counters for the gateway.
 
-    def __init__(self) -> None:
+    Args:
+        top_agents: agents with rows of their own in agent-labelled families (the most
+            completions first); the rest are folded into `agent="_other"`.
+    """
+
+    def __init__(self, top_agents: int = 20) -> None:
+        self.top_agents = top_agents
         self._lock = threading.Lock()
         self._sources: list[Callable[[], list[Family]]] = []
         self.http = Counter[tuple[str, str, str]]()
@@ -81,19 +98,38 @@ class Metrics:
             self.prompt_tokens[agent] += prompt_tokens
             self.generation_tokens[agent] += generated
 
+    def labelled_agents(self) -> set[str]:
+        """The `top_agents` agents with the most completions (ties: by name); caller holds no lock."""
+        with self._lock:
+            served = Counter[str]()
+            for (agent, _), count in self.completions.items():
+                served[agent] += count
+        ranked = sorted(served.items(), key=lambda kv: (-kv[1], kv[0]))
+        return {agent for agent, _ in ranked[: self.top_agents]}
+
     def render(self, stats: EngineStats) -> str:
-        """The exposition text, with engine gauges from `stats`."""
+        """The exposition text, with engine gauges from `stats`; O(`top_agents`) lines."""
         lines: list[str] = []
+        top = self.labelled_agents()
 
         def family(
             name: str, kind: str, help_text: str, names: tuple[str, ...], rows: dict[Any, float]
         ) -> None:
+            if "agent" in names:
+                rows = _fold_agents(rows, names.index("agent"), top, counter=kind == "counter")
             lines.append(f"# HELP {name} {help_text}")
             lines.append(f"# TYPE {name} {kind}")
             for key, value in sorted(rows.items()):
                 values = key if isinstance(key, tuple) else (key,)
                 lines.append(f"{name}{_labels(names, values if names else ())} {value:g}")
 
+        family(
+            "clora_agents",
+            "gauge",
+            "Agents: with a live adapter (served), with rows of their own here (labelled).",
+            ("state",),
+            {"served": len(stats.adapters), "labelled": len(top)},
+        )
         with self._lock:
             family(
                 "clora_http_requests_total",
@@ -192,6 +228,22 @@ class Metrics:
             for fam in source():
                 family(fam.name, fam.kind, fam.help, fam.labels, fam.rows)
         return "\n".join(lines) + "\n"
+
+
+def _fold_agents(
+    rows: dict[Any, float], index: int, top: set[str], *, counter: bool
+) -> dict[Any, float]:
+    """`rows` keeping agents in `top`; the others summed into `_other` (counters) or dropped."""
+    out: dict[Any, float] = {}
+    for key, value in rows.items():
+        values = key if isinstance(key, tuple) else (key,)
+        if values[index] in top:
+            out[key] = value
+        elif counter:
+            folded = (*values[:index], OTHER_AGENTS, *values[index + 1 :])
+            other = folded if isinstance(key, tuple) else folded[0]
+            out[other] = out.get(other, 0.0) + value
+    return out
 
 
 class HTTPMetricsMiddleware:
