@@ -191,19 +191,3 @@ def test_next_token_distribution_agrees_with_token_logprobs(
         assert table.shape == (2, policy.base.config.vocab_size) and table.dtype == torch.float32
         torch.testing.assert_close(table.gather(1, torch.tensor([[9], [22]])).squeeze(1), lp)
         torch.testing.assert_close(table.exp().sum(-1), torch.ones(2))
-
-
-def test_bench_precision_quick_runs_both_dtypes(tmp_path: Path) -> None:
-    """`clora bench precision --quick`: every row printed, curves for both dtypes and all seeds."""
-    import json
-
-    from clora_feedback.bench import precision
-
-    out = tmp_path / "precision.json"
-    assert precision.run(["--quick", "--seeds", "2", "--steps", "1", "--json", str(out)]) == 0
-    raw = json.loads(out.read_text())
-    assert {c["dtype"] for c in raw["curves"]} == set(COMPUTE_DTYPES)
-    assert len(raw["curves"]) == 4 and all(len(c["step_s"]) == 1 for c in raw["curves"])
-    assert all(len(c["held_out_p"]) == 2 for c in raw["curves"])
-    assert raw["flops"] > 0 and set(raw["gemm"]) == set(COMPUTE_DTYPES)
-    assert 0.8 < raw["ratios"]["min"] <= raw["ratios"]["max"] < 1.2

@@ -1,12 +1,19 @@
-"""Benchmarks behind `clora bench WHAT`: measured ratios printed as a table.
+"""Benchmarks behind `clora bench WHAT` that drive a running gateway (or its roles as
+processes) from outside, as a user does: measured ratios printed as a table.
 
-`run_bench(what, argv)` runs module `clora_feedback.bench.<what>`'s
-`run(argv)`: `serve` (serving engine and gateway), `train`, `ingest` and
-`experiments` (the C-LoRA experiment), `scaleout` (the roles as processes, 1 vs 2), `precision` (bf16 vs fp32
-training compute), `learning` (held-out accuracy against wall time on task families
-the repo was not tuned for, default trainer settings).
-Benchmarks are programs, not tests: their figures are recorded in
-`docs/benchmarks.md`.
+`run_bench(what, argv)` runs the `run(argv)` of `BENCHMARKS[what]`: `serve`
+(the serving figures through HTTP, the gateway on the embedded engine or on
+vLLM), `ingest` (feedback from a real broker into the store), `experiments`
+(the C-LoRA experiment), `scaleout` (the roles as processes, 1 vs 2),
+`learning` (held-out accuracy against wall time on task families the repo was
+not tuned for, default trainer settings). Benchmarks are programs, not tests:
+their figures are recorded in `docs/benchmarks.md`.
+
+Not here: the white-box benchmarks of engine and trainer internals (training
+step, publish, precision, prefix cache, decode profile, the in-process engine
+figures); they live outside the package, in the repository's `benchmarks/`
+(`python -m benchmarks.train`), and this package never imports engine or
+trainer internals (`tests/test_package.py`).
 """
 
 from __future__ import annotations
@@ -15,8 +22,14 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("serve", "train", "ingest", "experiments", "scaleout", "precision", "learning")
-"""The names `run_bench` accepts."""
+BENCHMARKS = {
+    "serve": "serve_gateway",
+    "ingest": "ingest",
+    "experiments": "experiments",
+    "scaleout": "scaleout",
+    "learning": "learning",
+}
+"""The names `run_bench` accepts, and the module of this package that runs each."""
 
 OMP_WAIT_POLICIES = ("passive", "active", "inherit")
 """Values of `--omp-wait-policy` (`inherit`: leave OMP_WAIT_POLICY as the environment has it)."""
@@ -46,6 +59,6 @@ def run_bench(what: str, argv: list[str]) -> int:
         raise SystemExit(f"unknown benchmark {what!r}; choose from {', '.join(BENCHMARKS)}")
     if what == "serve":
         apply_omp_wait_policy(argv)
-    module = importlib.import_module(f"clora_feedback.bench.{what}")
+    module = importlib.import_module(f"clora_feedback.bench.{BENCHMARKS[what]}")
     result: int = module.run(argv)
     return result

@@ -60,6 +60,23 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join([line(cells[0]), rule, *(line(c) for c in cells[1:])])
 
 
+def read_table(text: str) -> list[list[str]]:
+    """The stripped cells of every table line (`| ... |`) in `text`: `format_table` read back."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+
+
+def check_shape(table: list[list[str]], keys: list[str]) -> list[str]:
+    """What is wrong with a read-back `table` whose rows should be `keys`, in order (empty: nothing)."""
+    problems = [] if table[:1] == [list(COLUMNS)] else [f"header {table[:1]}"]
+    if [row[0] for row in table[2:]] != keys:
+        problems.append(f"rows {[row[0] for row in table[2:]]}, expected {keys}")
+    for row in table[2:]:
+        if len(row) != len(COLUMNS) or row[-1] not in {"yes", "no", "-"} or "nan" in " ".join(row):
+            problems.append(f"row {row}")
+    return problems
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile, `q` in [0, 100]; NaN for no values."""
     if not values:

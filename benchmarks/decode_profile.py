@@ -1,11 +1,11 @@
-"""`clora bench serve --decode-profile`: where a mixed-adapter decode step's time goes.
+"""`python -m benchmarks.serve --decode-profile`: where a mixed-adapter decode step's time goes.
 
 In process, on the default model, one torch thread, timed in CPU time
 (`time.thread_time`: the calling thread is the only compute thread, so other
 processes on a shared machine inflate it much less than wall time). Minimum
 over `--reps` interleaved repetitions of:
 
-- `LoRAModel.decode` for 8 rows: base model; one adapter; 8 adapters with the
+- `SlottedDecoder.decode` for 8 rows: base model; one adapter; 8 adapters with the
   rows grouped by slot; 8 adapters with rows and slots permuted as the gateway
   hands them over (the engine then decodes in slot order);
 - the LoRA update alone (`add_lora_update_` over every projection group of
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from clora_feedback.config import EngineConfig
-from clora_feedback.engine.model import KVCache, LoRAModel
+from clora_feedback.engine.decoder import KVCache, SlottedDecoder
 from clora_feedback.lora.ops import LoRABatch, add_lora_update_
 from clora_feedback.lora.weights import random_lora_weights
 
@@ -46,7 +46,7 @@ def profile(model_dir: Path, dtype: str, reps: int) -> dict[str, float]:
 
 def _profile(model_dir: Path, dtype: torch.dtype, reps: int) -> dict[str, float]:
     targets = tuple(EngineConfig().lora_target_modules)
-    model = LoRAModel.from_dir(
+    model = SlottedDecoder.from_dir(
         model_dir, max_loras=9, max_lora_rank=16, target_modules=targets, dtype=dtype
     )
     for slot in range(1, 10):

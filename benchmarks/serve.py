@@ -1,9 +1,10 @@
-"""`clora bench serve --in-process [--quick]`: in-process engine benchmarks, as ratios.
+"""`python -m benchmarks.serve [--quick]`: in-process engine benchmarks, as ratios.
 
-Plain `clora bench serve` measures the serving figures a user sees, through
-HTTP, optionally side by side with another OpenAI server (`--against URL`):
-see `clora_feedback.bench.serve_gateway`. With `--in-process`, four measurements, each a ratio taken within one run on one machine (so the
-machine's speed cancels out), printed as a Markdown table:
+`clora bench serve` measures the serving figures a user sees, through HTTP,
+optionally side by side with another OpenAI server (`--against URL`): see
+`clora_feedback.bench.serve_gateway`. Here, in process, four measurements, each
+a ratio taken within one run on one machine (so the machine's speed cancels
+out), printed as a Markdown table:
 
 1. mixed adapters: 8 concurrent requests on 8 different random rank-16
    adapters (all 7 target projections) vs the same 8 requests on one adapter,
@@ -16,7 +17,7 @@ machine's speed cancels out), printed as a Markdown table:
    plus the weight + KV bytes a decode step reads per second against the
    machine's ~27 GB/s memory bandwidth;
 4. gateway overhead: median latency the HTTP layer adds to a one-token
-   completion (see `clora_feedback.bench.gateway`).
+   completion (see `benchmarks.gateway`).
 
 Each engine measurement is repeated and its median kept; every request is
 greedy with EOS ignored, so all runs do identical work. Not a test: nothing
@@ -31,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,10 +40,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.workload import concurrent, episodes
 from clora_feedback.bench import OMP_WAIT_POLICIES
-from clora_feedback.bench.serve_gateway import Options as ServingOptions
-from clora_feedback.bench.serve_gateway import add_arguments, options_from
-from clora_feedback.bench.workload import concurrent, episodes
 from clora_feedback.config import DEFAULT_MODEL, EngineConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.lora.weights import random_lora_weights
@@ -73,8 +73,7 @@ class Options:
         skip_hf: skip the transformers baseline.
         skip_gateway: skip the gateway overhead.
         json_path: also write the results here.
-        in_process: run the in-process benchmarks (1-4 above), not `serving`.
-        serving: the options of the serving figures through HTTP (`serve_gateway`).
+        decode_profile: only the decode-step profile (`decode_profile`), `reps` x 3 times.
     """
 
     model: str
@@ -89,13 +88,11 @@ class Options:
     skip_hf: bool
     skip_gateway: bool
     json_path: Path | None
-    in_process: bool
-    serving: ServingOptions
     decode_profile: bool = False
 
 
 def parse_options(argv: list[str]) -> Options:
-    parser = argparse.ArgumentParser(prog="clora bench serve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n")[0])  # fmt: skip
     parser.add_argument(
         "--quick", action="store_true", help="Fewer tokens and repetitions (~1.5 min)."
     )
@@ -110,31 +107,19 @@ def parse_options(argv: list[str]) -> Options:
     parser.add_argument("--skip-gateway", action="store_true", help="Skip the HTTP overhead.")
     parser.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
     parser.add_argument(
-        "--engine",
-        default="embedded",
-        choices=["embedded", "vllm"],
-        help="`vllm`: the gateway on vLLM instead (`clora_feedback.bench.vllm_serve`).",
-    )
-    parser.add_argument(
         "--omp-wait-policy",
         default="passive",
         choices=OMP_WAIT_POLICIES,
         help="OpenMP idle threads: sleep (passive, default), spin (active) or as the "
-        "environment says (inherit). Applied by `run_bench` before torch loads.",
+        "environment says (inherit). Applied before torch loads (`python -m`).",
     )
-    parser.add_argument(
-        "--in-process",
-        action="store_true",
-        help="The in-process engine benchmarks below instead of the serving figures through "
-        "HTTP (`clora_feedback.bench.serve_gateway`).",
-    )
+    parser.add_argument("--reps", type=int, default=None, help="Repetitions (default 1, 3).")
     parser.add_argument(
         "--decode-profile",
         action="store_true",
         help="Only the in-process decode-step profile of mixed adapters "
-        "(`clora_feedback.bench.decode_profile`).",
+        "(`benchmarks.decode_profile`).",
     )
-    add_arguments(parser)
     args = parser.parse_args(argv)
     quick = bool(args.quick)
     return Options(
@@ -145,14 +130,12 @@ def parse_options(argv: list[str]) -> Options:
         new_tokens=args.new_tokens or (32 if quick else 64),
         agent_tokens=args.agent_tokens or (32 if quick else 96),
         turns=1 if quick else 2,
-        reps=1 if quick else 3,
+        reps=args.reps or (1 if quick else 3),
         gateway_reps=args.gateway_reps or (20 if quick else 100),
         skip_hf=args.skip_hf,
         skip_gateway=args.skip_gateway,
         json_path=args.json,
-        in_process=bool(args.in_process),
         decode_profile=bool(args.decode_profile),
-        serving=options_from(args, quick=quick),
     )
 
 
@@ -249,7 +232,7 @@ async def bench_efficiency(
     """
     hf = None
     if model_dir is not None:
-        from clora_feedback.bench.baseline import HFBaseline
+        from benchmarks.baseline import HFBaseline
 
         hf = HFBaseline(model_dir, getattr(torch, o.dtype))
         hf.generate(prompt, 1, 4)  # warm-up
@@ -286,7 +269,7 @@ async def bench_efficiency(
 
 async def measure(o: Options) -> Results:
     """Load the model once and take every measurement."""
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
 
     r = Results({}, [])
     model_dir = resolve_model_dir(o.model, o.cache_dir)
@@ -306,7 +289,7 @@ async def measure(o: Options) -> Results:
         await bench_efficiency(engine, None if o.skip_hf else model_dir, prompt, o, r)
         await bench_adapters(engine, prompt, o, r)
         if not o.skip_gateway:
-            from clora_feedback.bench.gateway import gateway_overhead
+            from benchmarks.gateway import gateway_overhead
 
             with tempfile.TemporaryDirectory(prefix="clora-bench-") as scratch:
                 g = await gateway_overhead(engine, Path(scratch), PROMPT, o.gateway_reps)
@@ -374,32 +357,22 @@ def table(r: Results, o: Options) -> str:
 
 
 def run(argv: list[str]) -> int:
-    """`clora bench serve ARGV`: run everything, print the table and machine facts."""
-    engine = argparse.ArgumentParser(add_help=False)
-    engine.add_argument("--engine", default="embedded")
-    if engine.parse_known_args(argv)[0].engine == "vllm":  # the vLLM benchmarks
-        from clora_feedback.bench.vllm_serve import run as run_vllm
-
-        return run_vllm(argv)
+    """`python -m benchmarks.serve ARGV`: run everything, print the table and machine facts."""
     o = parse_options(argv)
     if o.threads:
         torch.set_num_threads(o.threads)
     facts = machine_facts()
     if o.decode_profile:
-        from clora_feedback.bench.decode_profile import profile
-        from clora_feedback.bench.decode_profile import table as profile_table
-        from clora_feedback.models.resolve import resolve_model_dir
+        from benchmarks.decode_profile import profile
+        from benchmarks.decode_profile import table as profile_table
+        from clora_feedback.model.resolve import resolve_model_dir
 
-        values = profile(resolve_model_dir(o.model, o.cache_dir), o.dtype, o.serving.reps * 3)
+        values = profile(resolve_model_dir(o.model, o.cache_dir), o.dtype, o.reps * 3)
         print(profile_table(values, o.dtype))
         facts["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         for key, value in facts.items():
             print(f"- {key}: {value}")
         return 0
-    if not o.in_process:
-        from clora_feedback.bench.serve_gateway import run as run_serving
-
-        return run_serving(o.serving, facts)
     start = time.perf_counter()
     r = asyncio.run(measure(o))
     facts["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -416,3 +389,7 @@ def run(argv: list[str]) -> int:
     if o.json_path is not None:
         o.json_path.write_text(json.dumps({"facts": facts, "results": r.values}, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(sys.argv[1:]))

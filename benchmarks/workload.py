@@ -1,4 +1,4 @@
-"""Timed requests against a running `Engine`: the building blocks of `clora bench serve`.
+"""Timed requests against a running `Engine`: the building blocks of `python -m benchmarks.serve`.
 
 Every request is greedy and ignores EOS, so each generates exactly the tokens
 asked for and runs take the same work whatever the adapters say. Times come

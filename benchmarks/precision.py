@@ -1,4 +1,4 @@
-"""`clora bench precision`: training in bf16 compute (fp32 masters) against fp32, in one run.
+"""`python -m benchmarks.precision`: training in bf16 compute (fp32 masters) against fp32, in one run.
 
 1. GEMM throughput of this machine, fp32 vs bf16, at the training pass's
    shape (M = the step's tokens, the MLP's up projection): the peak of the
@@ -411,7 +411,7 @@ def _progress(message: str) -> None:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="clora bench precision", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.precision", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (default: %(default)s)")
     p.add_argument("--model-cache", type=Path, default=Path("var/models"), help="model cache root")
     p.add_argument("--quick", action="store_true", help="tiny random model, a few steps")
@@ -434,11 +434,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _model_dir(args: argparse.Namespace, scratch: Path) -> Path:
     if args.quick:
-        from clora_feedback.models.tiny import build_tiny_model_dir
+        from clora_feedback.model.tiny import build_tiny_model_dir
 
         # Byte-level vocabulary: the few-shot prompts are ~600 tokens.
         return build_tiny_model_dir(scratch / "tiny", seed=args.seed, max_position_embeddings=2048)
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
 
     return resolve_model_dir(args.model, args.model_cache)
 
@@ -489,7 +489,7 @@ def _identity(policy: DecoderPolicy, rank: int) -> tuple[LoRALayout, torch.Tenso
 
 
 def run(argv: list[str]) -> int:
-    """`clora bench precision [options]`: measure, print the tables and machine facts."""
+    """`python -m benchmarks.precision [options]`: measure, print the tables and machine facts."""
     args = _parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Smoke runs of `clora bench train --quick` and `clora bench ingest --quick`, and the staleness simulator.
+"""Smoke run of `python -m benchmarks.train --quick`, and the staleness simulator.
 
 The smoke runs check that every measurement ran and the table has its shape,
 never the figures (a tiny random model and a shared CPU say nothing about
@@ -12,34 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from clora_feedback.bench import ingest, train
-from clora_feedback.bench.report import COLUMNS
-from clora_feedback.bench.staleness import EARLY, POLICIES, TRAIN_BATCH, FeedbackStream, simulate
-
-
-def _table(text: str) -> list[list[str]]:
-    lines = [line for line in text.splitlines() if line.startswith("|")]
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
-
-
-def _check_shape(table: list[list[str]], keys: list[str]) -> None:
-    assert table[0] == list(COLUMNS)
-    assert set(table[1][0]) == {"-"}  # the Markdown rule under the header
-    body = table[2:]
-    assert [row[0] for row in body] == keys
-    for row in body:
-        assert len(row) == len(COLUMNS), row
-        assert row[-1] in {"yes", "no", "-"}, row
-        assert "nan" not in " ".join(row), row
+from benchmarks import train
+from benchmarks.staleness import EARLY, POLICIES, TRAIN_BATCH, FeedbackStream, simulate
+from clora_feedback.bench.report import check_shape, read_table
 
 
 def test_train_quick_runs_every_measurement(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert train.run(["--quick", "--json", str(tmp_path / "train.json")]) == 0
-    table = _table(capsys.readouterr().out)
+    table = read_table(capsys.readouterr().out)
     loads = [f"5{x}-{m}" for x in "abc" for m in ("arch", "total")]
-    _check_shape(table, ["1", "2", "2b", "3", "3b", "3c", "4", "4b", "6", "7", *loads])
+    assert check_shape(table, ["1", "2", "2b", "3", "3b", "3c", "4", "4b", "6", "7", *loads]) == []
     raw = json.loads((tmp_path / "train.json").read_text())
     for tenancy in (raw["tenancy"], raw["small"]):
         assert len(tenancy["batched_s"]) == len(tenancy["serial_s"]) == 1
@@ -49,21 +33,6 @@ def test_train_quick_runs_every_measurement(
     assert all(raw["interference"]["gaps_s"][c] for c in ("off", "hand-off", "durable"))
     assert raw["interference"]["publishes"]["off"] == 0
     assert raw["interference"]["publishes"]["durable"] > 0
-
-
-def test_ingest_quick_runs_every_measurement(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    argv = ["--quick", "--events", "300", "--latency-events", "100"]
-    assert ingest.run([*argv, "--json", str(tmp_path / "i.json")]) == 0
-    table = _table(capsys.readouterr().out)
-    _check_shape(table, ["1", "1b", "2", "2b"])
-    raw = json.loads((tmp_path / "i.json").read_text())
-    assert len(raw["kafka_eps"]) == len(raw["apply_eps"]) == 1
-    assert len(raw["latency_s"]) == 100 and min(raw["latency_s"]) > 0
-    counters = raw["consumer"]
-    assert counters["malformed"] == counters["rejected"] == counters["dead_lettered"] == 0
-    assert counters["applied"] == 20 + 300 + 100  # warm-up, backlog, paced: every event joined
 
 
 def test_staleness_simulation_pairs_policies_on_one_stream() -> None:

@@ -1,4 +1,4 @@
-"""What publishing a new adapter version costs serving: the timed parts of `clora bench train`.
+"""What publishing a new adapter version costs serving: the timed parts of `python -m benchmarks.train`.
 
 - `measure_publish_latency`: `ContinualTrainer` rounds (real feedback store,
   registry and publish path) while a stream of the same agent decodes; from
@@ -31,13 +31,14 @@ from typing import Any
 from clora_feedback.config import AdmissionConfig, TrainerConfig
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
-from clora_feedback.engine.types import AdapterRef, GenerationRequest, SamplingParams
+from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.priority import lower_thread_priority
 from clora_feedback.schemas.feedback import Reward
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
+from clora_feedback.store.versions import AdapterRef
 from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.state import AgentTrainState, LoRALayout, init_lora
 from clora_feedback.train.step import PGSample, StepResult

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clora_feedback.bench.workload import timed_request
+from benchmarks.workload import timed_request
 from clora_feedback.config import AgentConfig, Settings
 from clora_feedback.engine.embedded import EmbeddedEngine
 

@@ -1,4 +1,4 @@
-"""`clora bench train`: the continual trainer's costs, each against a baseline in the same run.
+"""`python -m benchmarks.train`: the continual trainer's costs, each against a baseline in the same run.
 
 1. Swap cost: `TrainingSlot` swap-in + swap-out time as a share of a swap-based
    step (C-LoRA style: one agent per step) at the given rank.
@@ -20,7 +20,7 @@
    GEMM rate in the compute dtype, measured in the same run.
 
 `--compute-dtype` sets the trainer's compute dtype for rows 1, 4, 6 and 7
-(`trainer.compute_dtype`); `clora bench precision` compares the two.
+(`trainer.compute_dtype`); `python -m benchmarks.precision` compares the two.
 
 Timing runs on a possibly shared CPU: compared variants alternate and the
 table reports medians. `--quick` runs everything on a tiny random model in
@@ -43,9 +43,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from clora_feedback.bench import OMP_WAIT_POLICIES
-from clora_feedback.bench.precision import gemm_gflops, training_flops
-from clora_feedback.bench.publish import (
+from benchmarks.precision import gemm_gflops, training_flops
+from benchmarks.publish import (
     PUBLISHER,
     Interference,
     PublishLatency,
@@ -54,6 +53,14 @@ from clora_feedback.bench.publish import (
     pg_samples,
     token_ids,
 )
+from benchmarks.staleness import (
+    POLICIES,
+    FeedbackStream,
+    TrainerModel,
+    simulate,
+    utilisation,
+)
+from clora_feedback.bench import OMP_WAIT_POLICIES
 from clora_feedback.bench.report import (
     Row,
     format_facts,
@@ -62,13 +69,6 @@ from clora_feedback.bench.report import (
     median,
     percentile,
     verdict,
-)
-from clora_feedback.bench.staleness import (
-    POLICIES,
-    FeedbackStream,
-    TrainerModel,
-    simulate,
-    utilisation,
 )
 from clora_feedback.config import DEFAULT_MODEL, EngineConfig, FeedbackConfig
 from clora_feedback.engine.deployer import Deployer
@@ -421,7 +421,7 @@ def _roofline_row(args: argparse.Namespace, f: Figures) -> Row:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="clora bench train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (default: %(default)s)")
     p.add_argument("--model-cache", type=Path, default=Path("var/models"), help="model cache root")
     p.add_argument("--quick", action="store_true", help="tiny random model, one repetition")
@@ -469,10 +469,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _model_dir(args: argparse.Namespace, scratch: Path) -> Path:
     if args.quick:
-        from clora_feedback.models.tiny import build_tiny_model_dir
+        from clora_feedback.model.tiny import build_tiny_model_dir
 
         return build_tiny_model_dir(scratch / "tiny", seed=args.seed)
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
 
     return resolve_model_dir(args.model, args.model_cache)
 
@@ -569,7 +569,7 @@ async def measure(args: argparse.Namespace) -> Figures:
 
 
 def run(argv: list[str]) -> int:
-    """`clora bench train [options]`: measure, print the table and machine facts; exit code."""
+    """`python -m benchmarks.train [options]`: measure, print the table and machine facts; exit code."""
     args = _parse(argv)
     if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         _progress(

@@ -1,4 +1,4 @@
-"""`clora bench prefix [--quick]`: time to first token of a conversation, prefix cache on vs off.
+"""`python -m benchmarks.prefix [--quick]`: time to first token of a conversation, prefix cache on vs off.
 
 One agent (a random rank-8 adapter on the default model) holds a multi-turn
 chat: a long system prompt, then each turn's prompt is the chat template over
@@ -17,7 +17,7 @@ token is that turn's prefill. Both engines must generate the same tokens (a
 note says so otherwise). Not a test: nothing here asserts.
 
 Not here: the cache itself (`clora_feedback.engine.prefix_cache`), serving
-throughput (`clora bench serve`).
+throughput (`python -m benchmarks.serve`, `clora bench serve`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,7 @@ class Options:
 
 def parse_options(argv: list[str]) -> Options:
     doc = (__doc__ or "").split("\n")[0]
-    parser = argparse.ArgumentParser(prog="clora bench prefix", description=doc)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefix", description=doc)
     parser.add_argument("--quick", action="store_true", help="Fewer turns and repetitions.")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Model spec (default: %(default)s).")
     parser.add_argument("--cache-dir", type=Path, default=Path("var/models"), help="Model cache.")
@@ -119,7 +120,7 @@ async def conversation(
     Returns:
         each turn's time to first token (s) and every generated token id.
     """
-    from clora_feedback.bench.workload import timed_request
+    from benchmarks.workload import timed_request
 
     tok = engine.tokenizer
     messages = [{"role": "system", "content": SYSTEM}]
@@ -142,7 +143,7 @@ async def measure(o: Options) -> tuple[dict[str, float], list[str]]:
     from clora_feedback.config import EngineConfig
     from clora_feedback.engine.embedded import EmbeddedEngine
     from clora_feedback.lora.weights import random_lora_weights
-    from clora_feedback.models.resolve import resolve_model_dir
+    from clora_feedback.model.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(o.model, o.cache_dir)
     engines = {}
@@ -220,7 +221,7 @@ def table(v: dict[str, float], o: Options) -> str:
 
 
 def run(argv: list[str]) -> int:
-    """`clora bench prefix ARGV`: measure and print the table."""
+    """`python -m benchmarks.prefix ARGV`: measure and print the table."""
     apply_omp_wait_policy(argv)  # before torch loads
     o = parse_options(argv)
     if o.threads:
@@ -241,3 +242,7 @@ def run(argv: list[str]) -> int:
     if o.json_path is not None:
         o.json_path.write_text(json.dumps(values, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(sys.argv[1:]))
