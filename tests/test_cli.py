@@ -12,7 +12,7 @@ from clora_feedback.cli.main import main
     [
         (["demo", "--help"], "usage: clora demo"),
         (["bench", "experiments", "--help"], "usage: clora bench experiments"),
-        (["bench", "train", "--help"], "usage: clora bench train"),
+        (["bench", "serve", "--help"], "usage: clora bench serve"),
         (["adapters", "--help"], "usage: clora adapters"),
     ],
 )

@@ -29,6 +29,9 @@ FORBIDDEN = {
     "clora_feedback.feedback": ("clora_feedback.gateway", "clora_feedback.train", "clora_feedback.engine", "clora_feedback.service", "clora_feedback.cli", "clora_feedback.client", "clora_feedback.demo", "clora_feedback.bench"),
     "clora_feedback.gateway": ("clora_feedback.service", "clora_feedback.cli", "clora_feedback.client", "clora_feedback.demo", "clora_feedback.bench"),
     "clora_feedback.client": ("clora_feedback.feedback.kafka", "clora_feedback.gateway", "clora_feedback.service", "fastapi"),
+    # `clora bench` drives a running gateway from outside; benchmarks of engine and trainer
+    # internals live in the repository's top-level benchmarks/, outside the package.
+    "clora_feedback.bench": ("clora_feedback.engine.embedded", "clora_feedback.engine.decoder", "clora_feedback.engine.slots", "clora_feedback.engine.prefix_cache", "clora_feedback.model.decoder", "clora_feedback.train.step", "clora_feedback.train.state", "clora_feedback.train.forward", "clora_feedback.train.loss", "clora_feedback.lora.ops", "benchmarks"),
 }  # fmt: skip
 # Only these may import the demo and the benchmarks (they sit above everything else).
 ABOVE_ALL = (
@@ -152,3 +155,10 @@ def test_only_the_top_imports_demo_and_bench(module: str) -> None:
         assert not any(name == top or name.startswith(top + ".") for top in below), (
             f"{module} imports {name}"
         )
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_the_package_never_imports_the_repository_benchmarks(module: str) -> None:
+    """`benchmarks/` is not installed: nothing in the package may need it."""
+    for name in _imports(_path(module)):
+        assert name != "benchmarks" and not name.startswith("benchmarks."), f"{module} imports {name}"

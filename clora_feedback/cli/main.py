@@ -43,10 +43,6 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from clora_feedback.bench import run_bench
 
-    if args.what == "prefix":  # clora_feedback.bench.prefix: the prefix cache's TTFT
-        from clora_feedback.bench.prefix import run
-
-        return run(args.extra)
     return run_bench(args.what, args.extra)
 
 
@@ -99,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_feedback_parser(sub)
     add_adapters_parser(sub)
 
-    bench = sub.add_parser("bench", help="Run a benchmark and print its table.")
+    bench = sub.add_parser(
+        "bench",
+        help="Run a benchmark against a gateway and print its table (white-box ones: "
+        "python -m benchmarks.<name> in the repository).",
+    )
     from clora_feedback.bench import BENCHMARKS
 
-    bench.add_argument("what", choices=(*BENCHMARKS, "prefix"), help="Which benchmark.")
+    bench.add_argument("what", choices=tuple(BENCHMARKS), help="Which benchmark.")
     bench.add_argument("extra", nargs=argparse.REMAINDER, help="Options passed to the benchmark.")
     bench.set_defaults(func=_bench)
     return parser
