@@ -12,6 +12,13 @@ producers and the webhook writes straight to the store: this Tansu build keeps
 its log in memory only, so an event acknowledged through it could be lost
 with the process, while the store's commit is durable.
 
+Serving does not wait for the consumer group: `start` starts the broker (when
+embedded), the producer (which proves the cluster reachable) and the ingest,
+then the consumer connects and joins its group in the background (about 5 s
+on the embedded broker, longer while a group rebalances). Records produced
+meanwhile are consumed once it has joined (a new group reads from the
+earliest offset); `joined` is set then.
+
 Either way there is exactly one `FeedbackIngest`, shared by the webhook and
 the consumer, so there is one rejoin loop and an expired parked event has
 one outcome whichever path brought it.
@@ -24,11 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
 from clora_feedback.config import FeedbackConfig
-from clora_feedback.errors import StoreError
+from clora_feedback.errors import CloraError, StoreError
 from clora_feedback.feedback.broker import LocalBroker
 from clora_feedback.feedback.ingest import FeedbackIngest, KafkaDeadLetters, LogDeadLetters
 from clora_feedback.feedback.kafka import ConsumerMetrics, FeedbackConsumer, build_consumer
@@ -89,6 +97,10 @@ class FeedbackPipeline:
             metrics=self.metrics,
         )
         self._task: asyncio.Task[None] | None = None
+        self._join: asyncio.Task[None] | None = None
+        self._closing = False
+        self.joined = asyncio.Event()
+        """Set once the consumer has joined its group (never without a Kafka side)."""
 
     @property
     def enabled(self) -> bool:
@@ -119,11 +131,28 @@ class FeedbackPipeline:
                 ingest=self.ingest,
                 metrics=self.metrics,
             )
-            await consumer.start()
             self.consumer = consumer
-            self._task = asyncio.create_task(
-                self._consume(consumer), name="clora-feedback-consumer"
+            self._closing = False
+            self._join = asyncio.create_task(
+                self._start_consumer(consumer), name="clora-feedback-join"
             )
+            self._task = asyncio.create_task(
+                self._consume(consumer, self._join), name="clora-feedback-consumer"
+            )
+
+    async def _start_consumer(self, consumer: FeedbackConsumer) -> None:
+        """Connect and join the group, retrying every second until it works or `stop`."""
+        t0 = time.perf_counter()
+        while not self._closing:
+            try:
+                await consumer.start()
+            except CloraError as exc:
+                log.error("feedback consumer: %s; retrying in 1 s", exc.message)
+                await asyncio.sleep(1.0)
+                continue
+            self.joined.set()
+            log.info("feedback consumer joined its group in %.1f s", time.perf_counter() - t0)
+            return
 
     async def _bootstrap(self) -> str:
         kafka = self.config.kafka
@@ -137,8 +166,11 @@ class FeedbackPipeline:
         log.info("embedded Kafka-protocol broker (Tansu) on %s", broker.bootstrap)
         return broker.bootstrap
 
-    async def _consume(self, consumer: FeedbackConsumer) -> None:
+    async def _consume(self, consumer: FeedbackConsumer, join: asyncio.Task[None]) -> None:
         """Keep the consumer running: a failed batch was not committed, so it replays."""
+        await asyncio.shield(join)  # cancelling this task leaves the join to `stop`
+        if not self.joined.is_set():
+            return
         while True:
             try:
                 await consumer.run()
@@ -159,10 +191,16 @@ class FeedbackPipeline:
 
     async def stop(self) -> None:
         """Stop in reverse: consumer, ingest, producer, broker (each only if started)."""
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task  # the consumer's own errors were logged by it
+        if self._join is not None:
+            # A join in progress is awaited, not cancelled: a consumer cancelled inside its
+            # start would be left open; it ends within one attempt once `_closing` is set.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._join
         if self.consumer is not None:
             await self.consumer.stop()
         await self.ingest.stop()

@@ -1,0 +1,55 @@
+"""Lazy start-up (issue 27): serving does not wait for the Kafka consumer group, and
+adapters are read from disk on first use, not at start-up."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kafka_fixtures import feedback_store, store_trajectory, wait_until  # noqa: F401
+
+from clora_feedback.config import FeedbackConfig, KafkaConfig
+from clora_feedback.feedback.pipeline import FeedbackPipeline
+from clora_feedback.feedback.store import FeedbackStore
+from clora_feedback.schemas.feedback import Resolution
+
+
+async def test_pipeline_start_does_not_wait_for_the_group_join(
+    tmp_path: Path,
+    feedback_store: FeedbackStore,  # noqa: F811
+) -> None:
+    config = FeedbackConfig(kafka=KafkaConfig(embedded_broker=True))
+    pipeline = FeedbackPipeline(
+        config, feedback_store, lambda: {"support"}, broker_dir=tmp_path / "kafka"
+    )
+    t0 = time.perf_counter()
+    await pipeline.start()
+    started_s = time.perf_counter() - t0
+    try:
+        # The join alone took 5.0 s on the embedded broker when `start` awaited it.
+        assert started_s < 3.0, started_s
+        assert not pipeline.joined.is_set()
+        store_trajectory(feedback_store.trajectories, "c-1", agent="support")
+        await pipeline.send(  # produced before the group joined: consumed once it has
+            Resolution(event_id="early", agent="support", completion_id="c-1", source="t",
+                       outcome="resolved")
+        )  # fmt: skip
+        await wait_until(pipeline.joined.is_set, what="the consumer joined", timeout_s=60)
+        await wait_until(
+            lambda: feedback_store.event_state("early") is not None,
+            what="the early event applied",
+            timeout_s=60,
+        )
+    finally:
+        await pipeline.stop()
+
+
+async def test_pipeline_stops_cleanly_while_the_group_is_joining(
+    tmp_path: Path,
+    feedback_store: FeedbackStore,  # noqa: F811
+) -> None:
+    config = FeedbackConfig(kafka=KafkaConfig(embedded_broker=True))
+    pipeline = FeedbackPipeline(config, feedback_store, set, broker_dir=tmp_path / "kafka")
+    await pipeline.start()
+    assert not pipeline.joined.is_set()
+    await pipeline.stop()  # no unclosed consumer is left behind (warnings are errors)
