@@ -101,6 +101,26 @@ MIGRATE_V3 = {"pruned_at": "REAL", "probe": "TEXT"}
 when the version's payload was pruned (retention), and the no-op probe's result (JSON)."""
 PG_TABLES = ("meta", "agents", "versions")
 """The registry's tables on PostgreSQL, parents first (its schema version: `clora_schema`)."""
+RELEASE_TABLES = ("releases",)
+"""The release states' table (`releases.ReleaseBook`), created if missing on every open."""
+
+
+def release_schema(dialect: str) -> str:
+    """The `releases` table in `dialect` (`CREATE TABLE IF NOT EXISTS`)."""
+    real = "DOUBLE PRECISION" if dialect == "postgresql" else "REAL"
+    return f"""
+CREATE TABLE IF NOT EXISTS releases (
+    agent TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    share {real},
+    serving INTEGER,
+    evidence TEXT NOT NULL,
+    updated_at {real} NOT NULL,
+    PRIMARY KEY (agent, version)
+)"""
+
+
 AGENT_COLUMNS = "agent, active_version, last_version, pinned, activated_by, activated_at"
 """The `agents` columns, in the order `Pointer.of` and the registry read a row."""
 VERSION_COLUMNS = (

@@ -5,7 +5,9 @@ on PostgreSQL, which starts at the current version and records it as component
 `registry` of the shared `clora_schema` table) and upgrades an older database:
 version 1 had no trainer leases; version 2 adds `lease.TABLES` (new tables only,
 so the upgrade is their `CREATE TABLE IF NOT EXISTS` and the version row); version 3
-adds the `versions` columns `pruned_at` and `probe` (`index.MIGRATE_V3`, nullable). `claim_root` ties the version tree
+adds the `versions` columns `pruned_at` and `probe` (`index.MIGRATE_V3`, nullable); the
+release states' table (`index.release_schema`) is created if missing on every open, with no
+version of its own (a new table older code ignores). `claim_root` ties the version tree
 to the database: the `meta` row `store_id` and the tree's `.store-id` file must
 agree, so a registry opened on another database's tree refuses rather than
 garbage-collect that tree's versions. On PostgreSQL the claim is that row in the
@@ -37,7 +39,7 @@ POINTER_CHANNEL = "clora_adapters"
 """PostgreSQL: every move of an agent's active pointer sends `NOTIFY clora_adapters, '<agent>'`
 in the moving transaction (delivered only if it commits); deployers LISTEN on it."""
 
-PG_TABLES = (*index.PG_TABLES, *lease.TABLES)
+PG_TABLES = (*index.PG_TABLES, *lease.TABLES, *index.RELEASE_TABLES)
 """Every registry table on PostgreSQL, parents first (what `clora store migrate` copies)."""
 
 
@@ -52,6 +54,7 @@ def init_schema(conn: Tx, url: str) -> None:
         _check_not_newer(version, url)
         run_script(conn, PG_SCHEMA)
         run_script(conn, lease.schema(conn.dialect))
+        run_script(conn, index.release_schema(conn.dialect))
         for column, kind in MIGRATE_V3.items():  # idempotent: a no-op on a new database
             kind = "DOUBLE PRECISION" if kind == "REAL" else kind
             conn.execute(f"ALTER TABLE versions ADD COLUMN IF NOT EXISTS {column} {kind}")
@@ -62,6 +65,7 @@ def init_schema(conn: Tx, url: str) -> None:
         version = conn.execute("SELECT max(version) FROM schema_version").fetchone()[0]
         _check_not_newer(version, url)
         run_script(conn, lease.schema(conn.dialect))
+        run_script(conn, index.release_schema(conn.dialect))
         present = {row[1] for row in conn.execute("PRAGMA table_info(versions)")}
         for column, kind in MIGRATE_V3.items():
             if column not in present:
