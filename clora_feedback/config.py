@@ -492,8 +492,8 @@ class TrainerConfig(BaseModel):
         description="Dtype of the training forward/backward (base GEMMs, activations); LoRA "
         "master weights, gradients and Adam moments stay fp32, the log-softmax fp32. bfloat16 "
         "pays off only where the hardware multiplies bf16 natively (AMX, AVX512-BF16, GPUs): on "
-        "a plain AVX2 CPU a bf16 step is several times slower (docs/benchmarks.md, "
-        "`clora bench precision`). A value other than engine.dtype gives the trainer its own copy of the base.",
+        "a plain AVX2 CPU a bf16 step is several times slower (docs/benchmarks-history.md, "
+        "`python -m benchmarks.precision`). A value other than engine.dtype gives the trainer its own copy of the base.",
     )
     nice: int = Field(
         10,
