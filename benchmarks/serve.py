@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import torch
 
 from benchmarks.workload import concurrent, episodes
 from clora_feedback.bench import OMP_WAIT_POLICIES
+from clora_feedback.bench.report import machine_facts
 from clora_feedback.config import DEFAULT_MODEL, EngineConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.lora.weights import random_lora_weights
@@ -137,26 +137,6 @@ def parse_options(argv: list[str]) -> Options:
         json_path=args.json,
         decode_profile=bool(args.decode_profile),
     )
-
-
-def machine_facts() -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
-        "torch": torch.__version__,
-        "torch threads": str(torch.get_num_threads()),
-        "python": platform.python_version(),
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
 
 
 @dataclass

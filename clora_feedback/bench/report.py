@@ -90,21 +90,31 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+"""The CPU flags that decide which matmul paths are fast (bf16 pays only with native bf16)."""
+
+
 def machine_facts() -> dict[str, str]:
     """CPU, cores, load, versions: what a reader needs to judge the figures."""
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+            lines = f.readlines()
+        names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
         cpu = names[0] if names else cpu
+        first = next((ln for ln in lines if ln.startswith("flags")), ":")
+        flags = [f for f in first.split(":", 1)[1].split() if f in MATMUL_FLAGS]
     except OSError:
         pass
     facts = {
         "cpu": cpu,
+        "cpu flags": " ".join(flags) or "none of " + ", ".join(MATMUL_FLAGS),
         "cores": str(os.cpu_count()),
         "load average (1, 5, 15 min)": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
     }
     torch = sys.modules.get("torch")
     if torch is not None:  # only when the benchmark uses it: ingestion does not import torch
