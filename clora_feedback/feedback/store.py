@@ -335,23 +335,6 @@ class FeedbackStore(Generic[_Reader]):
         out.more = len(arrived) == batch or len(expired) == batch
         return out
 
-    def rejoin_parked(
-        self, *, ttl_s: float, now: float | None = None
-    ) -> tuple[list[str], list[Rejected]]:
-        """Bounded `rejoin` passes until none has more work (each its own transaction).
-
-        Returns:
-            (event ids joined now, events that died with their reasons).
-        """
-        joined: list[str] = []
-        dead: list[Rejected] = []
-        while True:
-            report = self.rejoin(ttl_s=ttl_s, now=now)
-            joined += report.joined
-            dead += report.dead
-            if not report.more:
-                return joined, dead
-
     def _retry(
         self,
         conn: Tx,
@@ -394,11 +377,10 @@ class FeedbackStore(Generic[_Reader]):
         stored = self.trajectories.exists(wanted)
         found = [c for c in wanted if c in stored]
         if event.conversation_id is not None:
-            found += [
-                c
-                for c in self.trajectories.by_conversation(event.conversation_id)
-                if c not in found
-            ]
+            # The event's own agent only: another tenant's conversation is as unknown (a
+            # refusal naming its completions or agent would leak them).
+            conversation = self.trajectories.by_conversation(event.conversation_id, event.agent)
+            found += [c for c in conversation if c not in found]
         return found, [c for c in wanted if c not in found]
 
     def _missing_text(self, event: Event) -> str:

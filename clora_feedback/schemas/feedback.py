@@ -79,7 +79,9 @@ class _Event(BaseModel):
     conversation_id: str | None = Field(
         None,
         max_length=200,
-        description="Judge every completion whose request carried `metadata.conversation_id` = this value.",
+        description="Judge every completion of this event's `agent` whose request carried "
+        "`metadata.conversation_id` = this value (other agents' completions in it are not "
+        "judged: to this event they are as unknown).",
     )
     source: str = Field(
         ...,
