@@ -16,7 +16,11 @@ characters) and is stored with the trajectory. Legacy `functions` /
 `function_call` are mapped onto `tools` / `tool_choice` (one call at most, and
 the reply carries `function_call`); `store` is accepted either way (the gateway
 records every completion: that is what it is for); `service_tier` only as
-"auto" or "default"; `prediction` is refused.
+"auto" or "default"; `prompt_cache_key` and `safety_identifier` are hints
+without effect here; `prediction`, `reasoning_effort`, `verbosity`, `audio`,
+`web_search_options` and any `modalities` but text are refused by name
+(`unsupported_parameter`), as OpenAI answers for a model without them: nothing
+documented that changes the answer is accepted and ignored.
 
 Responses reuse the `openai` package's own types (`ChatCompletion`,
 `ChatCompletionChunk`, `Completion`, `Model`); they allow extra fields, which is
@@ -38,6 +42,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, model_validator
 
 from clora_feedback.errors import InvalidRequestError
+from clora_feedback.schemas.strict_schema import check_strict_schema
 
 MAX_N = 16
 """Most choices per request: each choice is one engine sequence."""
@@ -179,7 +184,9 @@ class JSONSchemaFormat(_Wire):
 
     The embedded engine enforces the subset of JSON Schema that
     `clora_feedback.chat_format.schema` lists, whether or not `strict` is set;
-    keywords outside it are accepted and not enforced.
+    keywords outside it are accepted and not enforced. With `strict: true` every
+    object must be closed (`additionalProperties: false`), as OpenAI requires: a
+    400 naming `response_format` otherwise (`schemas.strict_schema`).
     """
 
     model_config = ConfigDict(strict=True, extra="ignore", serialize_by_alias=True)
@@ -207,6 +214,9 @@ class ResponseFormat(_Wire):
                 "response_format of type 'json_schema' needs a 'json_schema' object",
                 param="response_format.json_schema",
             )
+        spec = self.json_schema
+        if self.type == "json_schema" and spec is not None and spec.strict:
+            check_strict_schema(spec.schema_, name=spec.name, param="response_format")
         return self
 
     @property
@@ -373,6 +383,21 @@ class ChatCompletionRequest(_Wire):
     store: bool | None = Field(
         None, description="Accepted either way: the gateway records every completion."
     )
+    modalities: list[str] | None = Field(None, description='Only ["text"]; audio is refused.')
+    audio: dict[str, Any] | None = Field(None, description="Audio output: refused.")
+    reasoning_effort: str | None = Field(
+        None, description="Not a reasoning model: any value is refused."
+    )
+    verbosity: str | None = Field(None, description="Not supported by this model: refused.")
+    web_search_options: dict[str, Any] | None = Field(
+        None, description="No built-in web search: refused."
+    )
+    prompt_cache_key: str | None = Field(
+        None, description="Accepted without effect: a hint for OpenAI's own prompt cache."
+    )
+    safety_identifier: str | None = Field(
+        None, description="Accepted without effect: an end-user id for OpenAI's abuse checks."
+    )
     guided_json: dict[str, Any] | str | None = Field(
         None, description="vLLM's extension: the same as a json_schema response_format."
     )
@@ -402,7 +427,8 @@ class ChatCompletionRequest(_Wire):
         return self
 
     def _check_accepted(self) -> None:
-        """Fields OpenAI documents that this gateway accepts only at some values."""
+        """Fields OpenAI documents that this gateway accepts only at some values: what it
+        cannot honour is refused by name, as OpenAI refuses it for a model without it."""
         if self.prediction is not None:
             raise InvalidRequestError(
                 "prediction (predicted outputs) is not supported; omit it", param="prediction"
@@ -412,6 +438,21 @@ class ChatCompletionRequest(_Wire):
                 f"service_tier {self.service_tier!r} is not offered; send 'auto' or 'default'",
                 param="service_tier",
             )
+        unsupported = {
+            "reasoning_effort": self.reasoning_effort is not None,
+            "modalities": any(m != "text" for m in self.modalities or ()),
+            "audio": self.audio is not None,
+            "verbosity": self.verbosity is not None,
+            "web_search_options": self.web_search_options is not None,
+        }
+        for param, is_set in unsupported.items():
+            if is_set:
+                raise InvalidRequestError(
+                    f"Unsupported parameter: '{param}' is not supported with this model "
+                    "(it serves text only, without reasoning or built-in tools); omit it.",
+                    param=param,
+                    code="unsupported_parameter",
+                )
 
     def _map_functions(self) -> None:
         """Legacy `functions` / `function_call` become `tools` / `tool_choice` (one call at most:

@@ -52,6 +52,7 @@ from pydantic import (
 
 from clora_feedback.errors import InvalidRequestError
 from clora_feedback.schemas.openai import ChatCompletionRequest
+from clora_feedback.schemas.strict_schema import check_strict_schema
 
 __all__ = [
     "FunctionCallItem",
@@ -108,6 +109,8 @@ def _text_parts_only(value: Any) -> Any:
     if isinstance(value, list):
         for part in value:
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and not isinstance(kind, str):
+                raise ValueError(f"content part type must be a string, got {type(kind).__name__}")
             if kind is not None and kind not in _TEXT_PARTS:
                 raise ValueError(
                     f"content part type {kind!r} is not supported; this gateway serves text only"
@@ -241,6 +244,8 @@ class TextFormat(_Wire):
                 "text.format of type 'json_schema' needs a 'name' and a 'schema'",
                 param="text.format",
             )
+        if self.type == "json_schema" and self.strict:
+            check_strict_schema(self.schema_, name=self.name or "", param="text.format")
         return self
 
     def chat_format(self) -> dict[str, Any]:
