@@ -5,8 +5,11 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import re
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,3 +165,28 @@ def test_the_package_never_imports_the_repository_benchmarks(module: str) -> Non
     """`benchmarks/` is not installed: nothing in the package may need it."""
     for name in _imports(_path(module)):
         assert name != "benchmarks" and not name.startswith("benchmarks."), f"{module} imports {name}"
+
+
+INDIRECT = {"gguf": "transformers converts the default model's GGUF file with it (model/default.py)"}
+"""Runtime dependencies the package needs without importing them, and why."""
+
+
+def _project() -> dict[str, Any]:
+    with open(ROOT.parent / "pyproject.toml", "rb") as f:
+        project: dict[str, Any] = tomllib.load(f)["project"]
+    return project
+
+
+def test_every_runtime_dependency_is_imported_by_the_package() -> None:
+    """A dependency only the tests use (peft, the equivalence oracle) is a dev extra."""
+    imported = {name.split(".")[0] for m in MODULES for name in _imports(_path(m))}
+    for requirement in _project()["dependencies"]:
+        dist = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+        assert dist in INDIRECT or dist.replace("-", "_") in imported, f"{dist} is never imported"
+
+
+def test_no_extra_installs_vllm_into_this_environment() -> None:
+    """vLLM lives in its own virtualenv (scripts/install_vllm.sh), never beside this package."""
+    extras = _project()["optional-dependencies"]
+    for name, requirements in extras.items():
+        assert name != "vllm" and not any(r.startswith("vllm") for r in requirements), name
