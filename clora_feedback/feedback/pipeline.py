@@ -8,7 +8,9 @@
 With a cluster, the webhook produces every event to the topics and the
 consumer group applies them: every piece of feedback flows through the log.
 With none, the embedded default starts a local Tansu broker for outside
-producers and the webhook writes straight to the store: this Tansu build keeps
+producers (on `feedback.kafka.embedded_broker_port`: unset, 9092 when free, else
+any free port; `bootstrap` says which, `/health` shows it to the admin key)
+and the webhook writes straight to the store: this Tansu build keeps
 its log in memory only, so an event acknowledged through it could be lost
 with the process, while the store's commit is durable.
 
@@ -36,7 +38,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from clora_feedback.config import FeedbackConfig
-from clora_feedback.errors import CloraError, StoreError
+from clora_feedback.errors import CloraError, ConfigError, StoreError
 from clora_feedback.feedback.broker import LocalBroker
 from clora_feedback.feedback.ingest import FeedbackIngest, KafkaDeadLetters, LogDeadLetters
 from clora_feedback.feedback.kafka import ConsumerMetrics, FeedbackConsumer, build_consumer
@@ -51,6 +53,9 @@ from clora_feedback.schemas.feedback import Event
 
 log = logging.getLogger(__name__)
 
+KAFKA_PORT = 9092
+"""The embedded broker's port when `feedback.kafka.embedded_broker_port` is unset and it is free."""
+
 
 class FeedbackPipeline:
     """A local broker when needed, the webhook's producer, the consumer group, the ingest.
@@ -60,7 +65,6 @@ class FeedbackPipeline:
         store: the feedback store every path applies to.
         known_agents: the accepted agent names (asked once per consumed batch).
         broker_dir: where an embedded broker keeps its files.
-        rejoin_interval_s: pause between the ingest's rejoin rounds.
     """
 
     def __init__(
@@ -70,7 +74,6 @@ class FeedbackPipeline:
         known_agents: Callable[[], Collection[str]],
         *,
         broker_dir: Path,
-        rejoin_interval_s: float = 2.0,
     ) -> None:
         self.config = config
         self.store = store
@@ -92,7 +95,7 @@ class FeedbackPipeline:
             store,
             self._dlq or LogDeadLetters(),
             park_ttl_s=config.park_ttl_s,
-            rejoin_interval_s=rejoin_interval_s,
+            rejoin_interval_s=config.rejoin_interval_s,
             max_parked_per_agent=config.max_parked_per_agent,
             metrics=self.metrics,
         )
@@ -112,6 +115,14 @@ class FeedbackPipeline:
     def durable_log(self) -> bool:
         """Whether producing to the log is as durable as writing the store (a real cluster)."""
         return self.config.kafka.bootstrap_servers is not None
+
+    @property
+    def bootstrap(self) -> str | None:
+        """Where outside producers send feedback: the configured cluster, or the embedded
+        broker's address while it runs; None when there is no Kafka side."""
+        if self.config.kafka.bootstrap_servers is not None:
+            return self.config.kafka.bootstrap_servers
+        return self.broker.bootstrap if self.broker is not None and self.broker.running else None
 
     async def start(self) -> None:
         """Start the broker (if embedded), the producer, the consumer, then the ingest."""
@@ -159,9 +170,22 @@ class FeedbackPipeline:
         if kafka.bootstrap_servers is not None:
             return kafka.bootstrap_servers
         broker = LocalBroker(
-            self.broker_dir, topics=(*kafka.topics, kafka.dead_letter_topic), partitions=3
+            self.broker_dir,
+            topics=(*kafka.topics, kafka.dead_letter_topic),
+            partitions=3,
+            port=kafka.embedded_broker_port,
+            preferred_port=KAFKA_PORT,
         )
-        await broker.astart()
+        try:
+            await broker.astart()
+        except CloraError as exc:
+            if exc.code != "broker_port_in_use":
+                raise
+            raise ConfigError(
+                f"{exc.message}: set feedback.kafka.embedded_broker_port to a free port, or "
+                "leave it unset for 9092 when free, else any free port",
+                code="broker_port_in_use",
+            ) from exc
         self.broker = broker
         log.info("embedded Kafka-protocol broker (Tansu) on %s", broker.bootstrap)
         return broker.bootstrap

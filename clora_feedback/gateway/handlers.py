@@ -8,7 +8,7 @@
   already loaded / bad adapter, 404 unloading an unknown adapter).
 - `TrajectoryHandler`: read captured trajectories, scoped by API key; delete
   them by agent or conversation (admin key).
-- `health`: engine statistics for `GET /health`.
+- `health`: engine statistics for `GET /health` (agent names for the admin key only).
 
 Not here: authentication (see `auth`), routing (see `routes`).
 """
@@ -160,13 +160,35 @@ class TrajectoryHandler:
         }
 
 
-def health(engine: Engine, agents: AgentRegistry) -> dict[str, Any]:
-    """`GET /health`: liveness plus the engine's numbers."""
-    stats = engine.stats()
-    return {
+def health(
+    engine: Engine,
+    agents: AgentRegistry,
+    *,
+    admin: bool,
+    feedback_bootstrap: str | None = None,
+) -> dict[str, Any]:
+    """`GET /health`: liveness plus the engine's numbers, for anyone.
+
+    Agent names are the admin key's: the others (no key, an agent key) get no adapter
+    list and no agent count, as they cannot list other agents' models either.
+
+    Args:
+        engine: whose numbers to report.
+        agents: the agents served (counted for the admin key).
+        admin: the caller holds the admin key (or the gateway is open).
+        feedback_bootstrap: where outside producers send feedback (the embedded
+            broker's address or the configured cluster), shown to the admin key.
+    """
+    stats = dataclasses.asdict(engine.stats())
+    body: dict[str, Any] = {
         "status": "ok",
         "model": engine.model_name,
         "max_model_len": engine.max_model_len,
-        "agents": len(agents.names()),
-        "engine": dataclasses.asdict(stats),
     }
+    if not admin:
+        del stats["adapters"]  # agent name -> version
+        return {**body, "engine": stats}
+    body |= {"agents": len(agents.names()), "engine": stats}
+    if feedback_bootstrap is not None:
+        body["feedback"] = {"kafka_bootstrap": feedback_bootstrap}
+    return body

@@ -15,13 +15,13 @@ errors propagate as `CloraError` and are mapped in `errors`. Routes:
     GET  /v1/trajectories            TrajectoryHandler (scoped by key)
     GET  /v1/trajectories/{id}       TrajectoryHandler (scoped by key)
     DELETE /v1/trajectories          TrajectoryHandler (admin): by agent or conversation_id
-    GET  /health                     engine statistics (no key needed)
+    GET  /health                     engine statistics (no key needed; agent names: admin key)
     GET  /metrics                    Prometheus text (admin key, when keys are configured)
 """
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from clora_feedback.engine.base import Engine
-from clora_feedback.errors import NotFoundError
+from clora_feedback.errors import AuthenticationError, NotFoundError
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import (
     KeyAuthenticator,
@@ -76,6 +76,8 @@ class GatewayState:
     models: ModelsHandler
     adapters: AdapterAdminHandler
     trajectories: TrajectoryHandler
+    feedback_bootstrap: Callable[[], str | None] = lambda: None
+    """Where outside producers send feedback (`/health`, admin key); set by the service."""
 
 
 def _state(request: Request) -> GatewayState:
@@ -212,8 +214,17 @@ async def get_trajectory(completion_id: str, request: Request, principal: AnyKey
 
 @router.get("/health")
 async def get_health(request: Request) -> JSONResponse:
+    """Liveness for anyone (no key needed, a wrong one ignored); agent names and the
+    feedback broker's address for the admin key only."""
     state = _state(request)
-    return JSONResponse(health(state.engine, state.agents))
+    try:
+        admin = state.authenticator.authenticate(request.headers.get("authorization")).admin
+    except AuthenticationError:
+        admin = False
+    bootstrap = state.feedback_bootstrap() if admin else None
+    return JSONResponse(
+        health(state.engine, state.agents, admin=admin, feedback_bootstrap=bootstrap)
+    )
 
 
 @router.get("/metrics")
