@@ -422,6 +422,113 @@ class GuardConfig(BaseModel):
     check_interval_s: float = Field(60.0, gt=0, description="Seconds between background checks.")
 
 
+class GateConfig(BaseModel):
+    """The offline gate: a candidate against the serving version on held-out cases
+    (`clora_feedback.release.gate`)."""
+
+    enabled: bool = Field(
+        True,
+        description="Judge every candidate offline before it serves; false: a candidate "
+        "passes without evaluation (the canary, when on, still judges it live).",
+    )
+    holdout_fraction: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="Share of labelled feedback (corrections' content, resolutions' "
+        "correct_answer, accepted outputs) held out of training as evaluation cases, by a "
+        "hash of the completion (deterministic, no storage).",
+    )
+    min_cases: int = Field(
+        6,
+        ge=2,
+        description="Fewer cases make the verdict `invalid` (the candidate does not serve).",
+    )
+    max_cases: int = Field(
+        24, ge=2, description="Most cases per evaluation (operator cases first, then the newest)."
+    )
+    max_drop: float = Field(
+        0.1,
+        ge=0,
+        description="A candidate passes when its mean score is not below serving's by more "
+        "than this at `confidence` (paired one-sided lower bound), in reward units.",
+    )
+    confidence: float = Field(
+        0.9, gt=0.5, lt=1, description="One-sided confidence of the paired bound."
+    )
+    max_tokens: int = Field(
+        64, ge=1, description="Most tokens an answer may take (the answer's length + 8 below it)."
+    )
+    concurrency: int = Field(
+        8,
+        ge=2,
+        description="Evaluation rows in the engine at once (half per version), beside live traffic.",
+    )
+    timeout_s: float = Field(
+        120.0, gt=0, description="An evaluation that takes longer is `invalid`."
+    )
+    cases_dir: Path | None = Field(
+        None,
+        description="Operator cases, `<cases_dir>/<agent>.jsonl` (docs/release.md); default "
+        "`<data_dir>/cases`.",
+    )
+
+
+class CanaryConfig(BaseModel):
+    """The canary: a passing candidate serves a share of live traffic, judged on its rewards
+    (`clora_feedback.release.canary`)."""
+
+    enabled: bool = Field(
+        True, description="Canary every passing candidate; false: promote it at once."
+    )
+    share: float = Field(
+        0.25,
+        gt=0,
+        lt=1,
+        description="Share of the agent's requests the canary serves, sticky by conversation_id, "
+        "else user, else request.",
+    )
+    min_feedback: int = Field(
+        8,
+        ge=2,
+        description="Canary rewards needed before it is promoted (when not worse by more than "
+        "`max_drop`).",
+    )
+    max_drop: float = Field(
+        0.1, ge=0, description="Largest drop of the canary's mean live reward that still promotes."
+    )
+    confidence: float = Field(
+        0.95,
+        gt=0.5,
+        lt=1,
+        description="Confidence that the canary is worse before it is aborted (sequential "
+        "Welch test, level spent over every look).",
+    )
+    timeout_s: float = Field(
+        900.0, gt=0, description="Seconds after which `on_timeout` decides an undecided canary."
+    )
+    on_timeout: Literal["abort", "promote"] = Field(
+        "abort", description="What an undecided canary becomes after `timeout_s`."
+    )
+
+
+class ReleaseConfig(BaseModel):
+    """The release path: trainer candidates reach serving only through the gate and the canary
+    (`clora_feedback.release`, docs/release.md)."""
+
+    enabled: bool = Field(
+        True,
+        description="Trainer versions are candidates released by the gate and the canary; "
+        "false: every trainer version serves at once, judged by nothing (for benchmarks and "
+        "tests of training alone).",
+    )
+    interval_s: float = Field(
+        1.0, gt=0, description="Seconds between the release loop's looks at candidates and canaries."
+    )
+    gate: GateConfig = Field(default_factory=GateConfig)
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
+
+
 class TrainerConfig(BaseModel):
     """The continual trainer."""
 
@@ -665,6 +772,10 @@ class Settings(BaseSettings):
     agents: list[AgentConfig] = Field(default_factory=list)
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    release: ReleaseConfig = Field(
+        default_factory=ReleaseConfig,
+        description="The release path of trainer versions: offline gate, canary, promote or abort.",
+    )
     admin_api_key: str | None = Field(
         None,
         description="Key for management routes. With no keys configured at all, the gateway is open.",
