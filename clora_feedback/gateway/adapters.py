@@ -7,6 +7,12 @@
     POST /v1/adapters/{agent}/pin                   freeze training
     POST /v1/adapters/{agent}/unpin                 let training publish again
 
+An agent declared in the config before its first version (served by the base
+model, listed by `/v1/models` at adapter version 0) is listed here too, with no
+active version and an empty version list: the routes read the gateway's agents
+(`app.state.gateway.agents`, when the router is mounted on a gateway) beside
+the registry, so every route gives one answer about which agents exist.
+
 Every route needs the admin key (`auth.admin_principal`). Failures are
 `CloraError`s, mapped to OpenAI error JSON by `gateway.errors`: 404 for an
 unknown agent or version, 409 for a rollback to the active version or one that
@@ -36,10 +42,11 @@ import asyncio
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi import Path as PathParam
 
 from clora_feedback.engine.deployer import Deployer
+from clora_feedback.errors import NotFoundError
 from clora_feedback.gateway.auth import admin_principal
 from clora_feedback.schemas.admin import (
     MAX_VERSION,
@@ -77,14 +84,21 @@ def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = No
     )
 
     @router.get("")
-    async def list_adapters() -> AgentAdaptersList:
+    async def list_adapters(request: Request) -> AgentAdaptersList:
         agents = await asyncio.to_thread(registry.agents)
+        known = {a.agent for a in agents}
+        agents += [_unversioned(name) for name in _declared(request) if name not in known]
         return AgentAdaptersList(data=[AgentAdaptersObject.of(a) for a in agents])
 
     @router.get("/{agent}/versions")
-    async def list_versions(agent: str) -> AdapterVersionList:
+    async def list_versions(agent: str, request: Request) -> AdapterVersionList:
         def read() -> tuple[AgentInfo, list[VersionInfo]]:
-            return registry.agent(agent), registry.versions(agent)
+            try:
+                return registry.agent(agent), registry.versions(agent)
+            except NotFoundError:
+                if agent in _declared(request):
+                    return _unversioned(agent), []
+                raise
 
         info, versions = await asyncio.to_thread(read)
         return AdapterVersionList(
@@ -116,6 +130,25 @@ def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = No
         return await set_pinned(registry, agent, False)
 
     return router
+
+
+def _declared(request: Request) -> list[str]:
+    """The agents the gateway serves (configured ones included), when mounted on one."""
+    state = getattr(request.app.state, "gateway", None)
+    return state.agents.names() if state is not None else []
+
+
+def _unversioned(agent: str) -> AgentInfo:
+    """A declared agent the registry does not know yet: the base model serves it."""
+    return AgentInfo(
+        agent=agent,
+        active_version=None,
+        pinned=False,
+        num_versions=0,
+        latest_version=None,
+        activated_by=None,
+        activated_at=None,
+    )
 
 
 async def rollback_adapter(
