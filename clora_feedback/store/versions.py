@@ -125,8 +125,12 @@ class AgentInfo:
 
     @property
     def deactivated(self) -> bool:
-        """Versions exist but none is active: an unload pointed the agent at the base model."""
-        return self.num_versions > 0 and self.active_version is None
+        """An unload pointed the agent at the base model: versions exist, none is active, and
+        the pointer moved (candidates of an agent that never had a serving version are not an
+        unload: `activated_at` is None until the pointer first moves)."""
+        return (
+            self.num_versions > 0 and self.active_version is None and self.activated_at is not None
+        )
 
 
 class AdapterStore(Protocol):

@@ -17,23 +17,38 @@ Each round (`run_round`), per agent in fair rotation:
    outputs, rewards at the agent's running mean) is consumed without a step;
 4. swap the agent's state in, step, swap out (see `step`); with
    `batched_agents > 1`, up to that many ready agents share one pass;
-5. publish: the new weights go to the deployer first (`PublishHandoff`),
-   straight from memory, under a version number the registry reserved (staged
-   into the engine's spare slot off the decode loop, served from the next
-   decode step); then the registry writes the immutable version (PEFT files,
-   optimizer state, manifest last) and moves the active pointer.
+5. publish. On the release path (`releases` given; `release.enabled`, the default
+   of `clora serve`) the registry writes an immutable **candidate** (PEFT files,
+   optimizer state, manifest last) without moving the pointer, and it is marked
+   for the release path (`clora_feedback.release`: gate, canary, promote or
+   abort); nothing serves it until the release path promotes it. Without it,
+   the new weights go to the deployer first (`PublishHandoff`), straight from
+   memory, under a version number the registry reserved (served from the next
+   decode step), then the registry writes the version and moves the pointer.
+
+What the trainer continues from, on the release path: **its newest candidate
+that was not rejected**. Each step's candidate is the parent of the next, so
+learning does not wait for the gate and the canary; the line starts at the
+serving version. When the release path rejects a version of the line (the gate
+failed it, its canary was aborted) or serving moves off the line (an operator's
+rollback), the run restarts from the newest candidate that descends from serving
+through no rejected or rolled-back version, else from serving itself, and the
+samples after that version's cursor are trained again (the rejected line's
+steps are not lost data, only lost weights). Staleness is counted against the
+serving version (samples come from what serves, not from candidates). Tested in
+`tests/test_trainer_release.py`.
 
 Training is background work: rounds run on the trainer's own thread at a
 lower scheduling priority (`TrainerConfig.nice`, Linux), so decode steps of
 every agent win the cores whenever both want them.
 
-The trainer never installs a version and never rolls back: rollbacks (the
-operator's, the guard's) move the registry's pointer through the deployer.
-The trainer follows the pointer: each round it compares every run's version
-with the agent's active one, and a moved pointer makes the next step start
-from the active version's weights and optimizer state; a step that raced with
-it is discarded, because the registry refuses to publish a version whose
-parent is no longer active.
+The trainer never installs a version and never rolls back: rollbacks and
+promotions move the registry's pointer through the deployer. Without the
+release path the trainer follows the pointer: each round it compares every
+run's version with the agent's active one, and a moved pointer makes the next
+step start from the active version's weights and optimizer state; a step that
+raced with it is discarded, because the registry refuses to publish a version
+whose parent is no longer active.
 
 Who trains: pinned agents are skipped (their samples wait). An agent whose
 adapter was unloaded (it has versions but no active one) is not trained until
@@ -49,7 +64,7 @@ the registry (the other trainer may have published meanwhile). Before a publish
 the trainer checks that the lease is still its own; the registry's parent
 compare-and-set stays the last guard.
 
-Not here: the math of a step (`step`), the HTTP routes, the guard's statistics.
+Not here: the math of a step (`step`), the HTTP routes, judging versions (`release`).
 """
 
 from __future__ import annotations
@@ -63,7 +78,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -98,6 +113,18 @@ from clora_feedback.train.step import (
 log = logging.getLogger(__name__)
 
 
+class ReleaseStates(Protocol):
+    """The release path's record of versions (`store.registry.releases.ReleaseBook`)."""
+
+    def rejected(self, agent: str, versions: set[int]) -> set[int]:
+        """Which of `versions` the release path rejected (failed the gate, aborted canary)."""
+        ...
+
+    def record(self, agent: str, version: int, state: Literal["candidate"]) -> bool:
+        """Mark a newly published version a candidate for the release path."""
+        ...
+
+
 class PublishHandoff(Protocol):
     """Where a co-located trainer hands a new version's weights (`engine.deployer.Deployer`)."""
 
@@ -113,6 +140,9 @@ class _AgentRun:
     trained_seq: int  # highest reward seq covered by a published version
     last_step_at: float = field(default_factory=time.monotonic)
     replay: ReplayBuffer = field(default_factory=lambda: ReplayBuffer(0))
+    chain: set[int] = field(default_factory=set)  # release path: where it started + its candidates
+    serving: int = 0  # release path: the active version at the last check
+    moved_at: float | None = None  # release path: when the pointer last moved, at the last check
 
 
 class ContinualTrainer(BackgroundTask):
@@ -129,6 +159,7 @@ class ContinualTrainer(BackgroundTask):
         agents: Callable[[], Iterable[str]] | None = None,
         base_model: str | None = None,
         leases: TrainerLeases | None = None,
+        releases: ReleaseStates | None = None,
     ):
         self.policy = policy
         self.deployer = deployer  # None: a deployer elsewhere follows the registry
@@ -159,6 +190,7 @@ class ContinualTrainer(BackgroundTask):
         self.last_publish: dict[str, float] = {}
         self._executor: ThreadPoolExecutor | None = None
         self.leases = leases  # None: this trainer trains every agent (one trainer in all)
+        self.releases = releases  # None: every version serves at once (no release path)
         self._candidates: list[str] | None = None  # the last round's trainable agents
         self.skipped_pg = 0  # samples kept out of the policy gradient (not raw logprobs)
         self.settled_batches = 0  # admitted batches with nothing to learn (no step)
@@ -243,10 +275,12 @@ class ContinualTrainer(BackgroundTask):
             info = self.registry.active(agent)
         except NotFoundError:
             info = None
+        serving = 0 if info is None else info.version
+        start, trained = self._resume_point(agent, serving)
         weights: LoRAWeights | None = None
-        if info is not None:
-            weights, optimizer_state = self.registry.load(agent, info.version, limits=limits)
-            version = info.version
+        if start:
+            weights, optimizer_state = self.registry.load(agent, start, limits=limits)
+            version = start
         if weights is not None:
             layout = LoRALayout.build(limits, weights.rank, weights.alpha, targets)
             params = layout.from_weights(weights)
@@ -255,21 +289,59 @@ class ContinualTrainer(BackgroundTask):
             params = init_lora(layout, seed=self.config.seed + hash(agent) % 10_000)
         state = AgentTrainState.create(agent, layout, params, version=version)
         state.load_optimizer_state(optimizer_state)
-        trained = self._trained_seq(agent)
         replay = ReplayBuffer(self.config.replay_buffer, seed=self.config.seed)
-        return _AgentRun(state, pulled_seq=trained, trained_seq=trained, replay=replay)
-
-    def _trained_seq(self, agent: str) -> int:
-        """Highest reward seq any published version of `agent` trained on (0 if none)."""
+        run = _AgentRun(state, pulled_seq=trained, trained_seq=trained, replay=replay)
+        run.chain, run.serving = {serving, version}, serving
         try:
-            versions = self.registry.versions(agent)
+            run.moved_at = self.registry.agent(agent).activated_at
         except NotFoundError:
-            return 0
-        best = 0
-        for v in versions:
-            window = v.feedback_window or {}
-            best = max(best, int(window.get("to_seq", 0)))
-        return best
+            run.moved_at = None
+        return run
+
+    def _resume_point(self, agent: str, serving: int) -> tuple[int, int]:
+        """(version to train from, reward seq cursor) for a fresh run of `agent`.
+
+        Without the release path: the active version, and the highest seq any version
+        trained on (a rollback does not train the same samples again). On the release
+        path: the newest candidate that descends from the serving version through no
+        rejected or rolled-back version (else serving itself), and the highest seq of
+        that line, so samples a rejected chain trained on are trained again from there.
+        """
+        try:
+            versions = {v.version: v for v in self.registry.versions(agent)}
+        except NotFoundError:
+            return serving, 0
+
+        def seq(version: int) -> int:
+            info = versions.get(version)
+            return 0 if info is None else int((info.feedback_window or {}).get("to_seq", 0))
+
+        if self.releases is None:
+            return serving, max((seq(v) for v in versions), default=0)
+        rejected = self.releases.rejected(agent, set(versions))
+
+        def line(version: int, stop: int | None) -> list[int] | None:
+            """`version` and its ancestors down to `stop` (exclusive; None: the root), or
+            None when that line passes a version that must not be trained from."""
+            out: list[int] = []
+            cursor: int | None = version
+            while cursor is not None and cursor != stop:
+                info = versions.get(cursor)
+                if info is None or cursor in rejected or info.status == "rolled_back":
+                    return None
+                out.append(cursor)
+                cursor = info.parent
+            return out if cursor == stop else None
+
+        below, cursor = [], serving or None  # serving's own line: what it has seen
+        while cursor is not None and cursor in versions:
+            below.append(seq(cursor))
+            cursor = versions[cursor].parent
+        for newest in sorted((v for v in versions if v > serving), reverse=True):
+            found = line(newest, serving or None)
+            if found is not None and not versions[newest].payload_pruned:
+                return newest, max([seq(v) for v in found] + below, default=0)
+        return serving, max(below, default=0)
 
     def _slots_for(self, states: list[AgentTrainState]) -> list[TrainingSlot]:
         need = max(s.layout.numel for s in states)
@@ -326,7 +398,7 @@ class ContinualTrainer(BackgroundTask):
 
         Pinned agents wait. An unloaded agent (versions exist, none active) is not
         trained until a load or a rollback activates a version again, so an unload
-        sticks. A rollback (by an operator or the guard) moved the pointer away from
+        sticks. A rollback (by an operator) moved the pointer away from
         the run's version: the run is dropped and reloaded from the active version.
         """
         try:
@@ -334,8 +406,22 @@ class ContinualTrainer(BackgroundTask):
         except NotFoundError:
             return True  # never published: trained from a fresh adapter
         run = self._runs.get(agent)
-        if run is not None and run.state.version != (info.active_version or 0):
+        active = info.active_version or 0
+        if run is not None and self.releases is None and run.state.version != active:
             self._drop(agent)  # its waiting samples are offered again from the new run's cursor
+        elif run is not None and self.releases is not None:
+            run.serving = active
+            rolled_back = info.activated_by == "rollback" and info.activated_at != run.moved_at
+            if (
+                rolled_back
+                or active not in run.chain
+                or self.releases.rejected(agent, run.chain - {active})
+            ):
+                # An operator rolled back (the versions after the target are marked), or the
+                # release path rejected a version of the line: continue from the newest
+                # candidate still good.
+                self._drop(agent)
+            run.moved_at = info.activated_at
         return not info.pinned and not info.deactivated
 
     def _admit(self, agent: str) -> list[tuple[TrainingSample, int]]:
@@ -345,7 +431,10 @@ class ContinualTrainer(BackgroundTask):
             run.pulled_seq = max(s.last_seq for s in new)
             self.admission.offer(agent, new)
         overdue = time.monotonic() - run.last_step_at >= self.config.trigger_interval_s
-        return self.admission.admit(agent, run.state.version, force=overdue)
+        # On the release path samples come from what serves, not from the newest candidate:
+        # staleness counts versions behind serving.
+        current = run.state.version if self.releases is None else run.serving
+        return self.admission.admit(agent, current, force=overdue)
 
     def _agent_batch(
         self, run: _AgentRun, admitted: list[tuple[TrainingSample, int]]
@@ -499,10 +588,14 @@ class ContinualTrainer(BackgroundTask):
             active = self.registry.active(agent)
         except NotFoundError:
             active = None
-        if self.registry.is_pinned(agent) or (active.version if active else 0) != state.version:
+        serving = active.version if active else 0
+        moved = serving not in run.chain if self.releases is not None else serving != state.version
+        if self.registry.is_pinned(agent) or moved:
             log.warning("agent %s: step discarded (pinned or rolled back during the step)", agent)
             self._drop(agent)
             return False
+        if self.releases is not None:
+            return self._publish_candidate(agent, run, result, window)
         if self.leases is not None and not self.leases.holds(agent):
             log.warning("agent %s: step discarded (its lease moved to another trainer)", agent)
             self._drop(agent)
@@ -543,11 +636,53 @@ class ContinualTrainer(BackgroundTask):
         run.last_step_at = time.monotonic()
         self.last_publish = {"handoff_s": served - t0, "durable_s": written - t0}
         log.info(
-            "agent %s: v%d live (step %d, loss %.4f, reward %.3f, %d samples, staleness %.2f, "
+            "agent %s: v%d live (step %d, loss %.4f, reward %.3f, %d policy-gradient + %d "
+            "supervised rows, %d pairs, staleness %.2f, "
             "swap %.1f ms of %.0f ms step, hand-off %.1f ms, durable after %.0f ms)",
-            agent, version, state.step, result.loss, result.reward_mean, result.num_pg + result.num_sft,
-            result.staleness_mean, result.swap_s * 1e3, result.step_s * 1e3,
+            agent, version, state.step, result.loss, result.reward_mean, result.num_pg,
+            result.num_sft, result.num_pairs, result.staleness_mean, result.swap_s * 1e3,
+            result.step_s * 1e3,
             (served - t0) * 1e3, (written - t0) * 1e3,
+        )  # fmt: skip
+        return True
+
+    def _publish_candidate(
+        self, agent: str, run: _AgentRun, result: StepResult, window: dict[str, object]
+    ) -> bool:
+        """The release path: write the step as an immutable candidate (the pointer does not
+        move; nothing serves it) and mark it for the gate. A crash between the two leaves a
+        version with no release state, which the release path never serves."""
+        state = run.state
+        weights = state.layout.to_weights(state.params)
+        t0 = time.perf_counter()
+        try:
+            info = self.registry.publish(
+                agent,
+                weights,
+                optimizer_state=state.optimizer_state(),
+                base_model=self._base_model,
+                parent=state.version or None,
+                step=state.step,
+                metrics=result.metrics(),
+                feedback_window=window,
+                activate=False,
+            )
+        except ConflictError as exc:  # pinned meanwhile: the step is void
+            self._drop(agent)
+            log.warning("agent %s: step discarded (%s)", agent, exc.message)
+            return False
+        assert self.releases is not None
+        self.releases.record(agent, info.version, "candidate")
+        state.version = info.version
+        run.chain.add(info.version)
+        run.trained_seq = int(window["to_seq"])  # type: ignore[call-overload]
+        run.last_step_at = time.monotonic()
+        self.last_publish = {"durable_s": time.perf_counter() - t0}
+        log.info(
+            "agent %s: v%d candidate (step %d, loss %.4f, reward %.3f, %d policy-gradient + %d "
+            "supervised rows, %d pairs, serving v%d)",
+            agent, info.version, state.step, result.loss, result.reward_mean,
+            result.num_pg, result.num_sft, result.num_pairs, run.serving,
         )  # fmt: skip
         return True
 

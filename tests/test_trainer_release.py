@@ -1,0 +1,136 @@
+"""The trainer on the release path: candidates never serve, each continues from the newest
+candidate that was not rejected, a rejection or a rollback restarts the line from serving's
+side (and trains the rejected line's samples again), and staleness counts against serving."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
+from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.feedback.rewards import DefaultRewardPolicy
+from clora_feedback.feedback.store import FeedbackStore, Incoming
+from clora_feedback.model.tiny import build_tiny_model_dir
+from clora_feedback.schemas.feedback import Correction
+from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.registry.releases import ReleaseBook
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
+from clora_feedback.train.policy import DecoderPolicy
+from clora_feedback.train.trainer import ContinualTrainer
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> EmbeddedEngine:
+    d = build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", seed=3)
+    return EmbeddedEngine(d, EngineConfig(max_num_seqs=2, max_loras=4, max_model_len=128))
+
+
+class World:
+    """A trainer on the release path (a `ReleaseBook`), fed corrections of served outputs."""
+
+    def __init__(self, root: Path, engine: EmbeddedEngine) -> None:
+        self.engine = engine
+        self.trajectories = TrajectoryStore(root / "t.db")
+        self.feedback = FeedbackStore(
+            root / "t.db",
+            trajectories=self.trajectories,
+            policy=DefaultRewardPolicy(FeedbackConfig()),
+        )
+        self.registry = AdapterRegistry(root / "adapters", root / "registry.db")
+        self.book = ReleaseBook(self.registry)
+        cfg = TrainerConfig(
+            admission=AdmissionConfig(min_batch=2, max_batch=2, max_staleness=1), lr=1e-2
+        )
+        self.trainer = ContinualTrainer(
+            DecoderPolicy.shared_with(engine), self.feedback, self.registry, cfg,
+            releases=self.book,
+        )  # fmt: skip
+        self.n = 0
+
+    def correct(self, agent: str, count: int, *, version: int = 0) -> None:
+        """`count` outputs served by `version` (what serves), each corrected."""
+        tok = self.engine.tokenizer
+        for _ in range(count):
+            self.n += 1
+            cid = f"c{self.n}"
+            out = tok.encode(f"answer {self.n}", add_special_tokens=False)
+            sample = SampleRecord(0, f"answer {self.n}", out, [-1.0] * len(out),
+                                  [version] * len(out), "stop")  # fmt: skip
+            prompt = tok.encode(f"question {self.n}")
+            self.trajectories.record(
+                TrajectoryRecord(cid, agent, version, "chat", {}, prompt, [sample], time.time())
+            )
+            event = Correction(event_id=f"e{self.n}", agent=agent, completion_id=cid,
+                               source="t", corrected_content=f"right {self.n}")  # fmt: skip
+            assert self.feedback.apply([Incoming(event, "t")]).joined == [f"e{self.n}"]
+
+    def step(self, agent: str = "a") -> int:
+        """Two fresh corrections and one round; returns the candidate published."""
+        self.correct(agent, 2, version=self.registry.agent(agent).active_version or 0
+                     if self.n else 0)  # fmt: skip
+        assert len(self.trainer.run_round()) == 1
+        return max(v.version for v in self.registry.versions(agent))
+
+    def close(self) -> None:
+        self.feedback.close()
+        self.trajectories.close()
+        self.registry.close()
+
+
+def test_candidates_chain_and_never_serve(engine: EmbeddedEngine, tmp_path: Path) -> None:
+    world = World(tmp_path, engine)
+    v1 = world.step()
+    v2, v3 = world.step(), world.step()
+    versions = {v.version: v for v in world.registry.versions("a")}
+    assert [versions[v].parent for v in (v1, v2, v3)] == [None, v1, v2]  # a line of candidates
+    assert world.registry.agent("a").active_version is None  # the pointer never moved
+    assert engine.adapter_version("a") is None
+    assert {world.book.get("a", v).state for v in (v1, v2, v3)} == {"candidate"}  # type: ignore[union-attr]
+    # Four steps past serving (v0) with max_staleness 1: samples from serving still admitted.
+    assert world.trainer.admission.stats["a"].dropped_stale == 0
+    world.close()
+
+
+def test_a_rejection_restarts_from_the_newest_good_candidate(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    world = World(tmp_path, engine)
+    v1, v2 = world.step(), world.step()
+    world.book.record("a", v1, "passed")
+    world.book.promote("a", v1, expected_active=None, stage="gate", evidence={})
+    v3 = world.step()  # serving moved onto the line: the run continues from v2
+    assert world.registry.get("a", v3).parent == v2
+    world.book.record("a", v2, "failed", stage="gate", evidence={"reason": "collapsed"})
+    v4 = world.step()
+    info = world.registry.get("a", v4)
+    # v3 descends from the rejected v2: the line restarts at serving v1, and the samples
+    # v2 and v3 trained on are trained again from v1's cursor.
+    assert info.parent == v1
+    v1_seq = world.registry.get("a", v1).feedback_window["to_seq"]  # type: ignore[index]
+    assert info.feedback_window["from_seq"] == v1_seq  # type: ignore[index]
+    v2_window = world.registry.get("a", v2).feedback_window
+    assert info.feedback_window["completion_ids"] == v2_window["completion_ids"]  # type: ignore[index]
+    world.close()
+
+
+def test_a_rollback_moves_the_line_and_a_restart_resumes_it(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    world = World(tmp_path, engine)
+    v1 = world.step()
+    world.book.promote("a", v1, expected_active=None, stage="operator", evidence={})
+    world.step()
+    v3 = world.step()
+    world.book.promote("a", v3, expected_active=v1, stage="operator", evidence={})
+    world.registry.rollback("a", v1, reason="operator", expected_active=v3)  # marks v2, v3
+    v4 = world.step()
+    assert world.registry.get("a", v4).parent == v1
+    world.close()
+    again = World(tmp_path, engine)  # a restart: continues from the newest good candidate
+    again.n = 100
+    v5 = again.step()
+    assert again.registry.get("a", v5).parent == v4
+    again.close()
