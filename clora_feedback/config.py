@@ -188,6 +188,17 @@ class EngineConfig(BaseModel):
         description="On a PostgreSQL registry, LISTEN for its pointer notifications and follow a "
         "move made by another process at once (polling stays the fallback); false: poll only.",
     )
+    host_adapter_cache_mb: int | None = Field(
+        1024,
+        ge=0,
+        description="Budget of the embedded engine's host copies of adapters (the source it "
+        "writes slots from). Beyond it the least recently used copy whose version is stored "
+        "in its directory is dropped and read back on the agent's next request (on a reader "
+        "thread; that request's time to first token includes the read). Per agent: rank x "
+        "sum over targeted projections of (in + out) x layers x 4 bytes: 9.8 MB for rank 8 "
+        "on all seven projections of SmolLM2-135M, 1.8 MB on q and v only; 1024 MB holds "
+        "about 100 and 580 of them. None: unbounded (every agent's copy stays).",
+    )
     prefix_cache_mb: int = Field(
         2048,
         ge=0,
@@ -599,6 +610,15 @@ class TrainerConfig(BaseModel):
     )
     poll_interval_s: float = Field(
         0.5, gt=0, description="How often the loop looks for new rewards."
+    )
+    max_resident_agents: int | None = Field(
+        32,
+        ge=1,
+        description="Agents whose training state (fp32 master weights and Adam's two moments: "
+        "3 x 4 bytes per LoRA parameter, 29 MB for rank 8 on all seven projections of "
+        "SmolLM2-135M) stays in host memory between steps; beyond it the least recently "
+        "stepped agent's state is dropped and read back from its active version's directory "
+        "(weights and optimizer state) at its next step. 32 x 29 MB = 0.9 GB. None: unbounded.",
     )
     batched_agents: int = Field(
         1, ge=1, description="Agents per forward/backward (1: serial swap steps, C-LoRA style)."

@@ -94,6 +94,16 @@ class InMemoryAdapters(Protocol):
     def adapter_weights(self, agent: str) -> tuple[int, LoRAWeights] | None: ...
 
 
+@runtime_checkable
+class LazyAdapters(Protocol):
+    """An engine that takes a registry version by its directory and reads the weights
+    when a request first needs them (the embedded one), so start-up reads no weights."""
+
+    def register_adapter(self, agent: str, version: int, path: Path) -> None: ...
+
+    def set_adapter_source(self, agent: str, version: int, path: Path) -> None: ...
+
+
 class Deployer(BackgroundTask):
     """Brings one engine to the registry's active pointers, and moves them in one order.
 
@@ -129,6 +139,7 @@ class Deployer(BackgroundTask):
         # An engine that promises in-memory adapters gets the trainer's tensors directly.
         in_memory = engine.capabilities.in_memory_adapters
         self._in_memory = engine if in_memory and isinstance(engine, InMemoryAdapters) else None
+        self._lazy = engine if in_memory and isinstance(engine, LazyAdapters) else None
         self._on_stop = on_stop
         self._serving: dict[str, int] = {}  # what the engine serves, by this deployer's hand
         self._handoffs: dict[str, int] = {}  # trainer hand-offs whose pointer has not moved yet
@@ -285,7 +296,8 @@ class Deployer(BackgroundTask):
             )
             if self._in_memory is not None:  # the checked tensors go in first, from memory
                 await self._install(AdapterRef(agent, version, path, weights))
-                await self._then_move(agent, publish)
+                info = await self._then_move(agent, publish)
+                self._stored(agent, version, info.path)
                 return version
             # An engine that reads a directory (vLLM) gets the registry's immutable copy, which
             # exists once published: publish, then load it; undo the move if it cannot load.
@@ -360,6 +372,7 @@ class Deployer(BackgroundTask):
             raise
         with self._engine_lock:
             self._handoffs.pop(agent, None)
+        self._stored(agent, ref.version)
         if engine is not None and self._on_installed is not None and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._on_installed, agent, ref.version)
@@ -367,6 +380,17 @@ class Deployer(BackgroundTask):
             # An engine that loads from the registry's directory (vLLM): load the version
             # now rather than at the watcher's next poll, which adds up to poll_interval_s.
             asyncio.run_coroutine_threadsafe(self._nudge(agent), self._loop)
+
+    def _stored(self, agent: str, version: int, path: Path | None = None) -> None:
+        """`version` is durable now: a lazy engine may drop its host copy and read it
+        back from the version's directory (blocking: one registry read without `path`)."""
+        if self._lazy is None:
+            return
+        try:
+            path = path or self.registry.get(agent, version).path
+            self._lazy.set_adapter_source(agent, version, path)
+        except CloraError as exc:  # the copy stays in memory: only the budget suffers
+            log.warning("agent %s: v%d stays in host memory: %s", agent, version, exc.message)
 
     async def _nudge(self, agent: str) -> None:
         try:
@@ -381,7 +405,7 @@ class Deployer(BackgroundTask):
             return
         pointer = self._pointer(agent)
         if pointer is None:
-            if engine.adapter_weights(agent) is not None:
+            if self.engine.adapter_version(agent) is not None:
                 engine.remove_adapter(agent)
             self._serving.pop(agent, None)
             return
@@ -419,7 +443,9 @@ class Deployer(BackgroundTask):
         itself: no further registry read), and for an in-process engine its tensors, read
         with the registry's content-hash check."""
         weights = None
-        if self._in_memory is not None:  # `load` refuses a pruned or other-base version
+        if self._lazy is not None:  # manifests only: the engine reads weights on first use
+            await asyncio.to_thread(self.registry.check_loadable, info.agent, info.version)
+        elif self._in_memory is not None:  # `load` refuses a pruned or other-base version
             weights, _ = await asyncio.to_thread(
                 self.registry.load, info.agent, info.version, limits=self.engine.lora_limits
             )
@@ -428,7 +454,11 @@ class Deployer(BackgroundTask):
         return AdapterRef(info.agent, info.version, info.path, weights)
 
     async def _install(self, ref: AdapterRef) -> None:
-        await self.engine.load_adapter(ref)
+        if self._lazy is not None and ref.weights is None and ref.path is not None:
+            # A registry version by its directory: checked (config, header), read on first use.
+            await asyncio.to_thread(self._lazy.register_adapter, ref.agent, ref.version, ref.path)
+        else:
+            await self.engine.load_adapter(ref)
         self._serving[ref.agent] = ref.version
         self._failed.pop(ref.agent, None)
         if self._on_installed is not None:

@@ -14,7 +14,11 @@ Each step, in order:
    `slots.AdapterSlots`);
 2. drop aborted sequences, freeing their KV-cache rows at once;
 3. admit waiting sequences into free rows (loading their adapter into a slot,
-   evicting an idle one if needed);
+   evicting an idle one if needed). An agent registered by its directory, or
+   whose host copy the host cache dropped (`engine.host_adapter_cache_mb`), is
+   read on a reader thread as soon as its request arrives (`add_request`), and
+   its request waits for that read, then for one slot write, never for the
+   batch to drain; the rest of the batch keeps decoding meanwhile;
 4. prefill admitted prompts in chunks under a token budget, so a long prompt
    cannot stall the other rows for long; a prompt first takes its longest
    cached prefix from the prefix cache (`prefix_cache`: blocks keyed by the
@@ -67,7 +71,7 @@ from clora_feedback.errors import (
     OverloadedError,
 )
 from clora_feedback.lora.ops import LoRABatch
-from clora_feedback.lora.peft_io import load_peft_adapter
+from clora_feedback.lora.peft_io import check_peft_adapter, load_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
 from clora_feedback.model.base import BaseWeights
 from clora_feedback.store.versions import AdapterRef
@@ -161,7 +165,14 @@ class EmbeddedEngine:
         self._by_id: dict[str, _Sequence] = {}
         self._aborts: set[str] = set()
         self._free_rows = list(range(config.max_num_seqs))
-        self._slots = AdapterSlots(self.model, self._lock)
+        self._slots = AdapterSlots(
+            self.model,
+            self._lock,
+            host_cache_bytes=None
+            if config.host_adapter_cache_mb is None
+            else config.host_adapter_cache_mb << 20,
+            reader=self._read_adapter,
+        )
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._steps = 0
@@ -265,6 +276,12 @@ class EmbeddedEngine:
             detok=Detokenizer(self._tokenizer, sp.stop, sp.min_tokens),
             stop_ids=stop_ids,
         )
+        if request.agent is not None:  # a cold agent's weights are read while it waits
+            failed = self._slots.warm(request.agent)
+            if failed is not None:
+                raise AdapterError(
+                    f"the adapter of agent {request.agent!r} cannot be read: {failed}"
+                ) from failed
         with self._lock:
             if request.agent is not None and request.agent not in self._slots:
                 raise NotFoundError(
@@ -334,6 +351,28 @@ class EmbeddedEngine:
             self.set_adapter, ref.agent, ref.version, weights, checked=True, owned=True
         )
 
+    def register_adapter(self, agent: str, version: int, path: Path) -> None:
+        """Serve the version directory `path` as `agent`'s `version`, read on first use.
+
+        Checks the PEFT config and the safetensors header against `lora_limits` (no
+        tensor data is read: a registry version's values were checked when it was
+        written); blocking, a few small reads.
+
+        Raises:
+            AdapterError: the directory does not fit the engine; nothing changed.
+        """
+        check_peft_adapter(path, limits=self.model.limits)
+        self._slots.register(agent, version, Path(path))
+
+    def set_adapter_source(self, agent: str, version: int, path: Path) -> None:
+        """`agent`'s live `version` is also stored at `path`: its host copy may now be
+        dropped from the host cache and read back from there when needed."""
+        self._slots.set_source(agent, version, Path(path))
+
+    def _read_adapter(self, path: Path) -> LoRAWeights:
+        """A cold agent's weights, on a reader thread."""
+        return load_peft_adapter(path, limits=self.model.limits)
+
     async def unload_adapter(self, agent: str) -> None:
         """Engine Protocol: drop `agent`'s adapter; a no-op when none is loaded."""
         with self._lock:
@@ -342,16 +381,26 @@ class EmbeddedEngine:
         self.remove_adapter(agent)
 
     def adapter_version(self, agent: str) -> int | None:
-        entry = self._slots.get(agent)
-        return entry[0] if entry else None
+        return self._slots.version(agent)
 
     def replica_of(self, agent: str) -> str:
         """Engine Protocol: every agent lives in this process."""
         return "embedded"
 
     def adapter_weights(self, agent: str) -> tuple[int, LoRAWeights] | None:
-        """The live (version, host copy of the weights) of an agent's adapter; do not mutate."""
+        """The live (version, host copy of the weights) of an agent's adapter; do not mutate.
+        Blocking: a cold agent's weights are read from its directory first."""
         return self._slots.get(agent)
+
+    def host_cache_stats(self) -> dict[str, int]:
+        """The host cache: bytes held, its budget (0: none), reads of cold agents, drops."""
+        slots = self._slots
+        return {
+            "bytes": slots.host_bytes(),
+            "capacity_bytes": slots.host_cache_bytes or 0,
+            "reads": slots.reads,
+            "drops": slots.drops,
+        }
 
     def adapters(self) -> dict[str, int]:
         return self._slots.versions()
@@ -385,14 +434,20 @@ class EmbeddedEngine:
                 if self._stopping:
                     break
             try:
-                self.step()
+                worked = self.step()
             except Exception as exc:  # a failed step must not kill serving: fail its rows
                 log.exception("engine step failed")
                 self._fail_all(engine_failure(exc))
+                continue
+            if not worked:  # requests wait for an adapter read: sleep until it lands
+                with self._lock:
+                    if not (self._stopping or self._aborts or self._slots.pending):
+                        self._lock.wait(0.05)
         self._fail_all(EngineError("the engine stopped"))
 
-    def step(self) -> None:
-        """One scheduling + forward step (called by the engine thread)."""
+    def step(self) -> bool:
+        """One scheduling + forward step (called by the engine thread); False when no
+        sequence ran (every waiting one waits for its adapter's read or a slot)."""
         with self._lock:
             dirty, adapters = self._slots.begin_step(self._running)
             aborts, self._aborts = self._aborts, set()
@@ -404,12 +459,13 @@ class EmbeddedEngine:
             self._finish_by_id(request_id, "abort")
         self._admit(adapters)
         if not self._running:
-            return
+            return False
         ready = self._prefill()
         decoding = [s for s in self._running if not s.in_prefill and s not in ready]
         if decoding:
             self._decode(decoding)
         self._steps += 1
+        return True
 
     def _admit(self, adapters: HostAdapters) -> None:
         with self._lock:
@@ -426,6 +482,13 @@ class EmbeddedEngine:
                     seq,
                     NotFoundError(f"the adapter of agent {agent!r} was unloaded", param="model"),
                 )
+                continue
+            if agent is not None and adapters[agent][1] is None and not self._slots.resident(agent):
+                failed = self._slots.warm(agent)  # cold: being read (or its read failed)
+                if failed is not None:
+                    self._remove_waiting(seq)
+                    self._emit_error(seq, AdapterError(
+                        f"the adapter of agent {agent!r} cannot be read: {failed}"))  # fmt: skip
                 continue
             slot = 0 if agent is None else self._slots.acquire(agent, adapters, self._running)
             if slot is None:

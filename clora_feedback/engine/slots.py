@@ -25,17 +25,31 @@ what a row computed with: (agent, version, tag). The prefix cache keys its
 blocks by it, so even an in-place reload of the same version number never
 reuses keys/values computed with other weights.
 
+Host copies have a budget (`host_cache_bytes`, from `engine.host_adapter_cache_mb`).
+A host copy whose version lives in a directory (its `source`: the registry's
+immutable version directory) may be dropped, least recently used first, when
+the copies exceed the budget; the agent stays registered (cold) and its
+weights are read again, on a reader thread, when a request next needs them
+(`warm`, started by `add_request` before the request waits for a row). A
+version given only as tensors (a trainer's hand-off, before the registry has
+written it) stays until `set_source` names its directory. `register` records a
+version by its directory alone, so start-up reads no weights at all.
+
 Not here: scheduling, sampling and the forward pass (see `embedded`), the slot
-buffers themselves (see `model`), reading adapters from disk (see `lora.peft_io`).
+buffers themselves (see `decoder`), reading adapters from disk (see `lora.peft_io`).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from clora_feedback.engine.decoder import SlottedDecoder
@@ -43,8 +57,13 @@ from clora_feedback.engine.types import BASE_VERSION
 from clora_feedback.errors import NotFoundError
 from clora_feedback.lora.weights import LoRAWeights
 
-HostAdapters = dict[str, tuple[int, LoRAWeights]]
-"""agent -> (version, host copy of its weights)."""
+log = logging.getLogger(__name__)
+
+HostAdapters = dict[str, tuple[int, LoRAWeights | None]]
+"""agent -> (version, host copy of its weights; None while cold: not in host memory)."""
+
+AdapterReader = Callable[[Path], LoRAWeights]
+"""Reads (and validates) a version directory's weights; runs on a reader thread."""
 
 SlotIdentity = tuple[str | None, int, int]
 """(agent, version, content tag) of the weights a slot holds; (None, BASE_VERSION, 0) = base model."""
@@ -54,6 +73,29 @@ class Row(Protocol):
     """A running sequence as the slots see it: the slot its decode reads."""
 
     slot: int
+
+
+@dataclass
+class _Host:
+    """One agent's registered version: its weights when in host memory, where they live."""
+
+    version: int
+    weights: LoRAWeights | None
+    source: Path | None = None  # the version's directory (None: only in memory, never dropped)
+    reading: bool = False  # a reader thread is reading `source`
+    error: Exception | None = None  # the last read failed: handed to the next request once
+    size: int = 0  # bytes of `weights` when held
+
+    def __post_init__(self) -> None:
+        self.hold(self.weights)
+
+    def hold(self, weights: LoRAWeights | None) -> None:
+        self.weights = weights
+        self.size = 0 if weights is None else weights.num_bytes()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.weights is None else self.size
 
 
 @dataclass
@@ -72,12 +114,28 @@ class AdapterSlots:
         lock: the engine's step condition; every method that changes state takes it and
             notifies, so the step loop wakes. Methods marked "caller holds `lock`" are
             for the step thread inside its own critical section.
+        host_cache_bytes: the budget of host copies (None: unbounded); copies with a
+            source directory beyond it are dropped, least recently used first.
+        reader: reads a cold agent's version directory (validating it); required for
+            `register` and for dropping copies.
     """
 
-    def __init__(self, model: SlottedDecoder, lock: threading.Condition) -> None:
+    def __init__(
+        self,
+        model: SlottedDecoder,
+        lock: threading.Condition,
+        *,
+        host_cache_bytes: int | None = None,
+        reader: AdapterReader | None = None,
+    ) -> None:
         self._model = model
         self._lock = lock
-        self._adapters: HostAdapters = {}  # host copies: the source of truth
+        self._adapters: OrderedDict[str, _Host] = OrderedDict()  # least recently used first
+        self.host_cache_bytes = host_cache_bytes
+        self._reader = reader
+        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clora-adapter-read")
+        self.reads = 0  # version directories read for cold agents (observability, tests)
+        self.drops = 0  # host copies dropped to stay within the budget
         # agents whose host copy changed since it was written to a slot
         self._dirty: set[str] = set()
         # A fresh tag per staged host copy; `_step_tags` is the step's snapshot of `_tags`,
@@ -98,9 +156,10 @@ class AdapterSlots:
     def stage(self, agent: str, version: int, weights: LoRAWeights) -> None:
         """Serve `weights` (validated, and owned from now on) as `agent`'s `version`."""
         with self._lock:
-            if agent not in self._adapters:  # new (or re-added): written by the step if resident
-                self._adapters[agent] = (version, weights)
-                self._tags[agent] = next(self._tag_counter)
+            entry = self._adapters.get(agent)
+            if entry is None or self._slot_of(agent) is None:
+                # new, re-added or not in a slot: written by the step when a request needs it
+                self._put(agent, _Host(version, weights))
                 self._dirty.add(agent)
                 self._lock.notify_all()
                 return
@@ -116,12 +175,36 @@ class AdapterSlots:
             # on the caller's thread while the engine keeps decoding.
             self._model.write_slot(spare, weights)
             with self._lock:
-                self._adapters[agent] = (version, weights)
-                tag = self._tags[agent] = next(self._tag_counter)
-                self._flips[agent] = (version, tag)
+                self._put(agent, _Host(version, weights))
+                self._flips[agent] = (version, self._tags[agent])
                 self._dirty.discard(agent)
                 self._lock.notify_all()
             self.last_publish_s = time.perf_counter() - t0
+
+    def register(self, agent: str, version: int, source: Path) -> None:
+        """Serve `agent`'s `version` from the directory `source`, read when first needed
+        (checked by the caller; a read that fails then fails the requests waiting for it)."""
+        if self._reader is None:
+            raise ValueError("registering an adapter by its directory needs a reader")
+        with self._lock:
+            self._put(agent, _Host(version, None, source))
+            self._dirty.add(agent)
+            self._lock.notify_all()
+
+    def set_source(self, agent: str, version: int, source: Path) -> None:
+        """`agent`'s `version` now also lives in `source`: its host copy may be dropped."""
+        with self._lock:
+            entry = self._adapters.get(agent)
+            if entry is not None and entry.version == version and self._reader is not None:
+                entry.source = source
+                self._trim()
+
+    def _put(self, agent: str, entry: _Host) -> None:
+        """Record `entry` as `agent`'s (most recently used) version, fresh tag (holds `lock`)."""
+        self._adapters[agent] = entry
+        self._adapters.move_to_end(agent)
+        self._tags[agent] = next(self._tag_counter)
+        self._trim()
 
     def remove(self, agent: str) -> None:
         """Stop serving `agent`; running rows keep the old weights until they finish."""
@@ -138,14 +221,106 @@ class AdapterSlots:
             return agent in self._adapters
 
     def get(self, agent: str) -> tuple[int, LoRAWeights] | None:
-        """The live (version, host copy of the weights) of an agent's adapter; do not mutate."""
+        """The live (version, host copy) of an agent's adapter; do not mutate. A cold
+        agent's weights are read on the caller's thread (and kept, as by `warm`)."""
         with self._lock:
-            return self._adapters.get(agent)
+            entry = self._adapters.get(agent)
+            if entry is None:
+                return None
+            if entry.weights is not None:
+                return entry.version, entry.weights
+        assert self._reader is not None and entry.source is not None  # cold: has a source
+        weights = self._reader(entry.source)
+        with self._lock:
+            self.reads += 1
+            if self._adapters.get(agent) is entry and entry.weights is None:
+                entry.hold(weights)
+                self._adapters.move_to_end(agent)
+                self._trim(keep=agent)
+        return entry.version, weights
+
+    def version(self, agent: str) -> int | None:
+        """The live version of `agent` (None: not registered), in host memory or not."""
+        with self._lock:
+            entry = self._adapters.get(agent)
+            return None if entry is None else entry.version
 
     def versions(self) -> dict[str, int]:
         """agent -> live version."""
         with self._lock:
-            return {a: v for a, (v, _) in self._adapters.items()}
+            return {a: e.version for a, e in self._adapters.items()}
+
+    def host_bytes(self) -> int:
+        """Bytes of host copies held now."""
+        with self._lock:
+            return sum(e.nbytes for e in self._adapters.values())
+
+    # -- the host cache: drop least recently used copies, read them back on demand -----
+
+    def warm(self, agent: str) -> Exception | None:
+        """Start reading `agent`'s weights if they are not in host memory (any thread).
+
+        Returns:
+            the error of a failed earlier read (once; the next call reads again), else None.
+        """
+        with self._lock:
+            entry = self._adapters.get(agent)
+            if entry is None or entry.weights is not None or entry.reading:
+                return None
+            if entry.error is not None:
+                error, entry.error = entry.error, None
+                return error
+            if entry.source is None:  # cannot happen: a copy without a source is never dropped
+                return NotFoundError(f"the adapter of agent {agent!r} is not in memory")
+            entry.reading = True
+            self._readers.submit(self._read, agent, entry)
+            return None
+
+    def _read(self, agent: str, entry: _Host) -> None:
+        assert self._reader is not None and entry.source is not None
+        t0 = time.perf_counter()
+        try:
+            weights = self._reader(entry.source)
+        except Exception as exc:  # handed to the requests that wait for it
+            log.error("agent %s: reading v%d from %s failed: %s", agent, entry.version,
+                      entry.source, exc)  # fmt: skip
+            with self._lock:
+                entry.reading, entry.error = False, exc
+                self._lock.notify_all()
+            return
+        with self._lock:
+            entry.reading = False
+            self.reads += 1
+            if self._adapters.get(agent) is entry:  # not replaced meanwhile
+                entry.hold(weights)
+                self._adapters.move_to_end(agent)
+                self._trim(keep=agent)
+            self._lock.notify_all()
+        log.debug("agent %s: v%d read in %.1f ms", agent, entry.version,
+                  (time.perf_counter() - t0) * 1e3)  # fmt: skip
+
+    def _trim(self, keep: str | None = None) -> None:
+        """Drop least recently used host copies that have a source until within budget
+        (holds `lock`). A dropped agent's slot keeps its weights while it stays resident."""
+        budget = self.host_cache_bytes
+        if budget is None or self._reader is None:
+            return
+        held = sum(e.nbytes for e in self._adapters.values())
+        for agent, entry in list(self._adapters.items()):
+            if held <= budget:
+                return
+            if agent == keep or entry.weights is None or entry.source is None:
+                continue
+            if agent in self._flips or agent in self._dirty:
+                continue  # the step still writes these weights into a slot
+            held -= entry.nbytes
+            entry.hold(None)
+            self.drops += 1
+
+    def touch(self, agent: str) -> None:
+        """Mark `agent`'s copy as recently used (caller holds `lock`)."""
+        if agent in self._adapters:
+            self._adapters.move_to_end(agent)
 
     # -- the step's side ------------------------------------------------------------
 
@@ -163,7 +338,7 @@ class AdapterSlots:
         self._apply_flips(running)
         dirty, self._dirty = self._dirty, set()
         self._step_tags = dict(self._tags)
-        return dirty, dict(self._adapters)
+        return dirty, {a: (e.version, e.weights) for a, e in self._adapters.items()}
 
     def _apply_flips(self, running: Iterable[Row]) -> None:
         """Hand the staged spare slot to its agent (bookkeeping only).
@@ -177,7 +352,7 @@ class AdapterSlots:
         for agent, (version, tag) in self._flips.items():
             old = self._slot_of(agent)
             entry = self._adapters.get(agent)
-            if old is None or entry is None or entry[0] != version or self._tags[agent] != tag:
+            if old is None or entry is None or entry.version != version or self._tags[agent] != tag:
                 continue
             new = self._spare
             self._slots[new] = _Slot(
@@ -194,27 +369,36 @@ class AdapterSlots:
     def apply_changes(
         self, dirty: set[str], adapters: HostAdapters, running: Iterable[Row]
     ) -> None:
-        """Rewrite or clear the slots of dirty resident agents (the step thread, no lock)."""
+        """Rewrite or clear the slots of dirty resident agents (the step thread, no lock).
+
+        A dirty agent whose new version is not in host memory (registered by its
+        directory) leaves its slot: running rows finish on the old weights, and the
+        new version is written into a slot once read."""
         busy = {row.slot for row in running}
         for agent in dirty:
             slot = self._slot_of(agent)
             if slot is None:
                 continue
-            if agent in adapters:
-                version, weights = adapters[agent]
+            version, weights = adapters.get(agent, (BASE_VERSION, None))
+            if weights is not None:
                 self._model.write_slot(slot, weights)
                 self._slots[slot].version = version
                 self._slots[slot].tag = self._step_tags[agent]
             elif slot not in busy:
                 self._model.clear_slot(slot)
                 self._slots[slot] = _Slot()
-            # else: removed while in use; running rows keep the old weights, freed when idle
+            else:  # in use: its rows keep the old weights (and version); freed when idle
+                self._slots[slot].agent = None
 
     def acquire(self, agent: str, adapters: HostAdapters, running: Iterable[Row]) -> int | None:
         """The slot serving `agent`, written now if it is not resident; None when every
-        slot is busy with other agents' running rows (the step thread, no lock)."""
+        slot is busy with other agents' running rows, or its weights are not in host
+        memory yet (`warm` reads them) (the step thread, no lock)."""
         slot = self._slot_of(agent)
         if slot is None:
+            version, weights = adapters[agent]
+            if weights is None:
+                return None
             busy = {row.slot for row in running} | {self._spare}
             idle = [i for i in range(1, len(self._slots)) if i not in busy]
             if not idle:
@@ -223,11 +407,14 @@ class AdapterSlots:
             slot = min(
                 idle, key=lambda i: (self._slots[i].agent is not None, self._slots[i].last_used)
             )
-            version, weights = adapters[agent]
             self._model.write_slot(slot, weights)
             self._slots[slot] = _Slot(agent=agent, version=version, tag=self._step_tags[agent])
         self._slots[slot].last_used = time.monotonic()
         return slot
+
+    def resident(self, agent: str) -> bool:
+        """Whether `agent` holds a slot (the step thread)."""
+        return self._slot_of(agent) is not None
 
     def version_in(self, slot: int) -> int:
         """The adapter version slot `slot` holds now (`BASE_VERSION` for slot 0)."""

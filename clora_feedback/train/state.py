@@ -10,6 +10,12 @@ Host buffers are pinned when CUDA is present (so copies are asynchronous);
 `TrainingSlot` holds the device-side twins. On a CPU-only machine the "device"
 is host memory too and a swap is a memcpy, still measured and logged.
 
+`Residency` bounds how many agents keep their buffers in host memory
+(`trainer.max_resident_agents`): beyond it the least recently stepped agent's
+buffers are dropped (`AgentTrainState.drop`; its step count, version and
+baseline stay) and restored before its next step from its version's directory,
+which holds exactly those weights and Adam moments (`restore`: bit-identical).
+
 Not here: forward/backward (see `forward`), losses (`loss`), scheduling (`trainer`).
 """
 
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -149,6 +157,35 @@ class AgentTrainState:
             version=version,
         )
 
+    @property
+    def resident(self) -> bool:
+        """Whether the buffers are in host memory (`drop` releases them)."""
+        return self.params.numel() == self.layout.numel
+
+    def drop(self) -> None:
+        """Release the buffers (3 x 4 bytes per parameter); step, version and baseline stay.
+        Only for a state its version's directory holds exactly (`restore` reads it back)."""
+        empty = torch.empty(0, dtype=torch.float32)
+        self.params, self.exp_avg, self.exp_avg_sq = empty, empty.clone(), empty.clone()
+
+    def restore(self, params: torch.Tensor, optimizer: dict[str, torch.Tensor] | None) -> None:
+        """Bring dropped buffers back from what the version's directory stored.
+
+        Args:
+            params: [P] fp32 parameters in this state's layout.
+            optimizer: the stored `optimizer_state()` (None: the version has none, so its
+                moments were zero: a fresh adapter's).
+        """
+        self.params = _host_buffer(self.layout.numel)
+        self.params.copy_(params)
+        self.exp_avg = _host_buffer(self.layout.numel)
+        self.exp_avg_sq = _host_buffer(self.layout.numel)
+        if optimizer is None:  # moments of a version stored without any: zero, as published
+            self.exp_avg.zero_()
+            self.exp_avg_sq.zero_()
+        else:
+            self.load_optimizer_state(optimizer)
+
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """What the registry stores next to the PEFT files."""
         return {
@@ -166,6 +203,56 @@ class AgentTrainState:
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
         self.step = int(state["step"].item())
+
+
+class Residency:
+    """Which agents' training buffers stay in host memory: at most `capacity`, least
+    recently stepped dropped first (`AgentTrainState.drop`), restored on demand.
+
+    Args:
+        capacity: agents kept resident (None: all).
+        restore: reads a dropped state's buffers back (`AgentTrainState.restore` from its
+            version's directory); may raise, and then the caller starts the agent over.
+    """
+
+    def __init__(self, capacity: int | None, restore: Callable[[AgentTrainState], None]) -> None:
+        self.capacity = capacity
+        self._restore = restore
+        self._states: OrderedDict[str, AgentTrainState] = OrderedDict()  # least recent first
+        self.drops = 0
+        self.restores = 0
+
+    def use(self, state: AgentTrainState) -> None:
+        """`state` is about to step: restore it if dropped, mark it most recently used."""
+        if not state.resident:
+            self._restore(state)
+            self.restores += 1
+        self._states[state.agent] = state
+        self._states.move_to_end(state.agent)
+
+    def add(self, state: AgentTrainState) -> None:
+        """Track a newly loaded state, as the least recently used (it has not stepped yet)."""
+        self._states[state.agent] = state
+        self._states.move_to_end(state.agent, last=False)
+        self.trim()
+
+    def forget(self, agent: str) -> None:
+        """`agent`'s run is gone (its state is no longer tracked)."""
+        self._states.pop(agent, None)
+
+    def trim(self) -> None:
+        """Drop the least recently used resident states beyond `capacity`."""
+        if self.capacity is None:
+            return
+        resident = [s for s in self._states.values() if s.resident]
+        for state in resident[: max(0, len(resident) - self.capacity)]:
+            state.drop()
+            self.drops += 1
+
+    @property
+    def resident(self) -> int:
+        """States whose buffers are in host memory now."""
+        return sum(1 for s in self._states.values() if s.resident)
 
 
 @dataclass

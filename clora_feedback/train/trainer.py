@@ -83,7 +83,8 @@ from typing import Literal, Protocol
 import torch
 
 from clora_feedback.config import TrainerConfig
-from clora_feedback.errors import ConflictError, NotFoundError, StoreError
+from clora_feedback.errors import CloraError, ConflictError, NotFoundError, StoreError
+from clora_feedback.heap import trim_heap
 from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.priority import lower_thread_priority
@@ -98,6 +99,7 @@ from clora_feedback.train.state import (
     AdamConfig,
     AgentTrainState,
     LoRALayout,
+    Residency,
     TrainingSlot,
     init_lora,
 )
@@ -194,6 +196,8 @@ class ContinualTrainer(BackgroundTask):
         self._candidates: list[str] | None = None  # the last round's trainable agents
         self.skipped_pg = 0  # samples kept out of the policy gradient (not raw logprobs)
         self.settled_batches = 0  # admitted batches with nothing to learn (no step)
+        self.residency = Residency(config.max_resident_agents, self._restore)
+        """Whose training buffers stay in host memory (`trainer.max_resident_agents`)."""
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -258,7 +262,20 @@ class ContinualTrainer(BackgroundTask):
         if run is None:
             run = self._load(agent)
             self._runs[agent] = run
+            self.residency.add(run.state)
         return run
+
+    def _restore(self, state: AgentTrainState) -> None:
+        """Read a dropped state's buffers back: its version's weights and Adam moments
+        (exactly what it held: a state is dropped only between steps, when its version
+        holds it), or a fresh adapter's for an agent that never published."""
+        if state.version == 0:
+            seed = self.config.seed + hash(state.agent) % 10_000  # as `_load` made it
+            state.restore(init_lora(state.layout, seed=seed), None)
+            return
+        limits = self.policy.lora_limits
+        weights, optimizer = self.registry.load(state.agent, state.version, limits=limits)
+        state.restore(state.layout.from_weights(weights), optimizer)
 
     def _load(self, agent: str) -> _AgentRun:
         """Training state of `agent`: its active registry version, else a fresh adapter.
@@ -369,6 +386,9 @@ class ContinualTrainer(BackgroundTask):
             k = self.config.batched_agents
             for i in range(0, len(ready), k):
                 results += self._step(ready[i : i + k])
+            if ready:
+                self.residency.trim()  # the least recently stepped beyond the cap
+                trim_heap()  # the step's freed activations back to the OS (`heap`)
             return results
 
     def _owned(self, agents: list[str]) -> list[str]:
@@ -391,6 +411,7 @@ class ContinualTrainer(BackgroundTask):
     def _drop(self, agent: str) -> None:
         """Forget `agent`'s run and waiting samples; the next round reloads it from the registry."""
         self._runs.pop(agent, None)
+        self.residency.forget(agent)
         self.admission.discard(agent)
 
     def _trainable(self, agent: str) -> bool:
@@ -552,6 +573,9 @@ class ContinualTrainer(BackgroundTask):
         if not batches:
             return []
         group = kept
+        runs, batches, group = self._make_resident(runs, batches, group)
+        if not batches:
+            return []
         slots = self._slots_for([b.state for b in batches])
         results = train_step(self.policy, slots, batches, self._loss, self._adam)
         published = []
@@ -567,6 +591,28 @@ class ContinualTrainer(BackgroundTask):
                 published.append(result)
         self.history += published
         return published
+
+    def _make_resident(
+        self,
+        runs: list[_AgentRun],
+        batches: list[AgentBatch],
+        group: list[tuple[str, list[tuple[TrainingSample, int]]]],
+    ) -> tuple[
+        list[_AgentRun], list[AgentBatch], list[tuple[str, list[tuple[TrainingSample, int]]]]
+    ]:
+        """Restore dropped states before the step; an agent whose version cannot be read
+        (pruned, corrupted) starts over from the registry next round."""
+        keep = []
+        for i, run in enumerate(runs):
+            try:
+                self.residency.use(run.state)
+            except CloraError as exc:
+                log.error("agent %s: cannot restore v%d (%s); reloading", run.state.agent,
+                          run.state.version, exc.message)  # fmt: skip
+                self._drop(run.state.agent)
+                continue
+            keep.append(i)
+        return [runs[i] for i in keep], [batches[i] for i in keep], [group[i] for i in keep]
 
     def _publish(
         self, agent: str, run: _AgentRun, result: StepResult, window: dict[str, object]
