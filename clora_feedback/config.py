@@ -601,6 +601,13 @@ class TrainerConfig(BaseModel):
         description="A sample's reward within this of the agent's running mean carries no "
         "policy-gradient signal for deciding whether a batch teaches anything.",
     )
+    imitate_above_mean: bool = Field(
+        True,
+        description="In a batch that teaches, imitate (supervise) outputs rewarded above the "
+        "agent's running mean by more than `settled_margin` with no event calling them wrong, "
+        "as confirmed ones are; without it, an agent answering one class everywhere is "
+        "supervised only on the other classes and flips between them.",
+    )
     kl_coef: float = Field(0.0, ge=0, description="KL-to-base weight (0: no reference pass).")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     trigger_interval_s: float = Field(

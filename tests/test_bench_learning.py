@@ -148,3 +148,18 @@ def test_a_few_seconds_of_streaming_end_to_end(tiny_model_dir: Path, tmp_path: P
     assert again.with_suffix(".md").read_text() == out.with_suffix(".md").read_text()
     pytest.importorskip("matplotlib")
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_trainer_overrides_change_only_what_they_name() -> None:
+    from clora_feedback.bench.learning import build_parser, trainer_config
+    from clora_feedback.config import TrainerConfig
+
+    assert trainer_config([]) == TrainerConfig()
+    config = trainer_config(["replay=0", "admission.min_batch=8", "imitate_above_mean=false"])
+    assert (config.replay, config.admission.min_batch, config.imitate_above_mean) == (0, 8, False)
+    assert config.lr == TrainerConfig().lr
+    for bad in ("nope=1", "admission=3", "replay=-1", "admission.nope.x=1", "replay"):
+        with pytest.raises(ValueError, match="--trainer"):
+            trainer_config([bad])
+    args = build_parser().parse_args(["--trainer", "replay=0", "--trainer", "warmup_steps=0"])
+    assert args.trainer == ["replay=0", "warmup_steps=0"]

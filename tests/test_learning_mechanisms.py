@@ -248,6 +248,20 @@ def test_outputs_rewarded_above_the_mean_are_imitated_so_every_class_is_taught(
     world.close()
 
 
+def test_imitating_outputs_above_the_mean_can_be_switched_off_for_an_ablation(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    """`imitate_above_mean=False`: the same batch supervises only the corrected answer."""
+    world = _World(tmp_path, engine, imitate_above_mean=False)
+    right, wrong = world.served("confirmed", logprob=-0.01), world.served("confirmed")
+    world.judge(right, value=1.0)
+    world.judge(wrong, value=0.0)
+    world.judge(wrong, corrected_content="escalated")
+    [result] = world.trainer.run_round()
+    assert result.num_sft == 1 and result.num_pairs == 1  # "escalated" alone
+    world.close()
+
+
 def test_processed_logprobs_never_enter_the_policy_gradient(
     engine: EmbeddedEngine, tmp_path: Path
 ) -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import logging
 import random
 import re
@@ -55,6 +56,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from clora_feedback.bench.learning_report import (
     EvalPoint,
@@ -219,6 +222,35 @@ class LearningConfig:
     train_pool: int = 512
     max_model_len: int = 1024
     num_threads: int | None = None
+    trainer: tuple[str, ...] = ()  # KEY=VALUE overrides of `TrainerConfig` (ablations)
+
+
+def trainer_config(overrides: Sequence[str]) -> TrainerConfig:
+    """`TrainerConfig()` with `KEY=VALUE` overrides (dotted keys for nested settings, JSON
+    values, else strings): the defaults unless an ablation says otherwise.
+
+    Raises:
+        ValueError: a malformed override, an unknown key or a value the model refuses.
+    """
+    data = TrainerConfig().model_dump()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        *path, leaf = key.strip().split(".")
+        node = data
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict):
+                raise ValueError(f"--trainer {item!r}: no setting group {part!r}")
+        if not sep or leaf not in node or isinstance(node[leaf], dict):
+            raise ValueError(f"--trainer {item!r}: expected KEY=VALUE with a trainer setting")
+        try:
+            node[leaf] = json.loads(raw)
+        except json.JSONDecodeError:
+            node[leaf] = raw
+    try:
+        return TrainerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"--trainer: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
 
 
 def learning_settings(model_dir: Path, data_dir: Path, cfg: LearningConfig) -> Settings:
@@ -229,7 +261,7 @@ def learning_settings(model_dir: Path, data_dir: Path, cfg: LearningConfig) -> S
         num_threads=cfg.num_threads,
     )  # fmt: skip
     settings = service_settings(model_dir, data_dir, engine, [AGENT])
-    settings.trainer = TrainerConfig()
+    settings.trainer = trainer_config(cfg.trainer)
     return settings
 
 
@@ -446,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="Base model (default: the embedded default).")
     p.add_argument("--work", type=Path, default=None, help="Stores and adapters (default: a temporary directory).")  # fmt: skip
     p.add_argument("--replot", type=Path, default=None, help="Redraw OUT.* from this JSON record; run nothing.")  # fmt: skip
+    p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE", help="Override one trainer setting (repeatable; dotted keys, e.g. admission.min_batch=8): ablations, recorded with the results; the default is every default.")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("var/bench/learning"), help="Writes OUT.json, OUT.md, OUT.png.")  # fmt: skip
     return p
 
@@ -469,13 +502,17 @@ def run(argv: Sequence[str]) -> int:
     cfg = LearningConfig(
         tasks=tasks, minutes=args.minutes, seed=args.seed, users=args.users, think_s=args.think,
         temperature=args.temperature, held_out=args.held_out, eval_every_s=args.eval_every,
-        max_model_len=args.max_model_len, num_threads=args.threads,
+        max_model_len=args.max_model_len, num_threads=args.threads, trainer=tuple(args.trainer),
     )  # fmt: skip
+    try:
+        trainer = trainer_config(cfg.trainer)
+    except ValueError as exc:
+        print(exc)
+        return 2
     model_dir = resolve_model_dir(args.model or DEFAULT_MODEL, Settings().model_cache_dir)
     work = args.work or Path(tempfile.mkdtemp(prefix="clora-bench-learning-"))
     load_before = machine_facts()["load average (1, 5, 15 min)"]
     code = code_version()  # at the start: the checkout may move while the tasks run
-    trainer = TrainerConfig()
     runs = []
     for name in tasks:
         print(f"== {name}: {FAMILIES[name].signals}; {cfg.minutes:g} min", flush=True)
@@ -484,7 +521,8 @@ def run(argv: Sequence[str]) -> int:
     facts["load average at start"] = load_before
     facts["model"] = str(args.model or DEFAULT_MODEL)
     facts["code at start"] = code
-    facts["trainer defaults"] = (
+    facts["trainer overrides"] = ", ".join(cfg.trainer) or "none (every default)"
+    facts["trainer"] = (
         f"lr {trainer.lr:g}, warm-up {trainer.warmup_steps} steps, "
         f"admission {trainer.admission.min_batch}-{trainer.admission.max_batch} samples, "
         f"trigger {trainer.trigger_interval_s:g} s, guard {'on' if trainer.guard.enabled else 'off'}"

@@ -74,6 +74,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -196,6 +197,8 @@ class ContinualTrainer(BackgroundTask):
         self._candidates: list[str] | None = None  # the last round's trainable agents
         self.skipped_pg = 0  # samples kept out of the policy gradient (not raw logprobs)
         self.settled_batches = 0  # admitted batches with nothing to learn (no step)
+        self.ready_waits: deque[float] = deque(maxlen=4096)
+        """Seconds each of the latest ready batches waited for its step (`run_round`)."""
         self.residency = Residency(config.max_resident_agents, self._restore)
         """Whose training buffers stay in host memory (`trainer.max_resident_agents`)."""
 
@@ -370,7 +373,15 @@ class ContinualTrainer(BackgroundTask):
     # -- one round ------------------------------------------------------------------------
 
     def run_round(self) -> list[StepResult]:
-        """Pull rewards, admit, step and publish every ready agent once (blocking)."""
+        """Pull rewards, admit, step and publish every ready agent once (blocking).
+
+        Fairness: every agent whose batch is ready when a round admits gets its step in
+        that round, in an order that rotates by one agent each round; one whose batch
+        becomes ready during a round gets it in the next. So an agent waits at most
+        `2R - 1` steps for its own (R: agents with ready batches), whatever its traffic;
+        `ready_waits` records how long each ready batch waited for its step (seconds).
+        Serving keeps its priority: rounds run on the lower-priority trainer thread.
+        """
         with self._lock:
             agents = self._owned([a for a in self._agents() if self._trainable(a)])
             if not agents:
@@ -384,7 +395,10 @@ class ContinualTrainer(BackgroundTask):
                     ready.append((agent, batch))
             results: list[StepResult] = []
             k = self.config.batched_agents
+            admitted_at = time.monotonic()
             for i in range(0, len(ready), k):
+                waited = time.monotonic() - admitted_at
+                self.ready_waits.extend([waited] * len(ready[i : i + k]))
                 results += self._step(ready[i : i + k])
             if ready:
                 self.residency.trim()  # the least recently stepped beyond the cap
@@ -528,7 +542,10 @@ class ContinualTrainer(BackgroundTask):
         a batch teaches at all is `_teaches`'s call."""
         if sample.wrong:
             return False
-        return sample.confirmed or sample.reward > reference + self.config.settled_margin
+        if sample.confirmed:
+            return True
+        above = sample.reward > reference + self.config.settled_margin
+        return self.config.imitate_above_mean and above
 
     def _teaches(self, run: _AgentRun, admitted: list[tuple[TrainingSample, int]]) -> bool:
         """Whether a batch can teach the agent anything: some sample has a right answer
