@@ -309,6 +309,24 @@ class KafkaConfig(BaseModel):
         gt=0,
         description="Longest pause between retries; the consumer retries until it works.",
     )
+    session_timeout_ms: int = Field(
+        10_000,
+        ge=1,
+        description="The consumer group's session timeout: a member silent this long is dead "
+        "and its partitions move to the others.",
+    )
+    heartbeat_interval_ms: int = Field(
+        3_000,
+        ge=1,
+        description="How often a consumer heartbeats its group (below a third of "
+        "`session_timeout_ms`).",
+    )
+    commit_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="Fault injection for tests: a pause between a batch's durable write and its "
+        "offset commit (a consumer killed inside it must not apply the batch twice). 0 in use.",
+    )
     # -- security of a real cluster (the embedded broker is PLAINTEXT on loopback) --
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         "PLAINTEXT", description="How every Kafka client we build talks to the cluster."
@@ -393,6 +411,12 @@ class FeedbackConfig(BaseModel):
         "an older (replayed) or later signature is refused with 401 signature_expired.",
     )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest webhook body accepted.")
+    rejoin_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds between the ingest's rounds of joining parked feedback to "
+        "trajectories stored since (and dead-lettering what waited past `park_ttl_s`).",
+    )
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
 
 
@@ -652,6 +676,11 @@ class TrainerConfig(BaseModel):
         "of it); a dead trainer's agents move to another within lease_ttl_s * 4/3.",
     )
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    lease_owner: str | None = Field(
+        None,
+        description="This trainer's id in the leases it holds (`clora train --owner`); "
+        "default `host:pid:random`, unique per process.",
+    )
 
 
 class ServerConfig(BaseModel):
@@ -781,6 +810,11 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = Field(Path("var"), description="SQLite databases and the model cache.")
+    trajectory_db_path: Path | None = Field(
+        None,
+        description="The SQLite file of the trajectories and the feedback (`clora ingest --db`); "
+        "default `<data_dir>/trajectories.db`. Unused with a `store_url`.",
+    )
     adapters_dir: Path = Field(
         Path("adapters"),
         description="Root of the on-disk adapter store (the version directories); with a "
@@ -807,7 +841,6 @@ class Settings(BaseSettings):
         None,
         description="Key for management routes. With no keys configured at all, the gateway is open.",
     )
-    request_timeout_s: float = Field(600.0, gt=0)
     server: ServerConfig = Field(
         default_factory=ServerConfig, description="Body size bounds and connection timeouts."
     )
@@ -868,7 +901,7 @@ class Settings(BaseSettings):
 
     @property
     def trajectory_db(self) -> Path:
-        return self.data_dir / "trajectories.db"
+        return self.trajectory_db_path or self.data_dir / "trajectories.db"
 
     @property
     def registry_db(self) -> Path:
@@ -885,7 +918,13 @@ def redact_url(url: str) -> str:
 
 
 def load_settings(config_file: Path | None = None, **overrides: object) -> Settings:
-    """Build settings from an optional JSON/YAML file, the environment and overrides."""
+    """Build settings from an optional JSON/YAML file, the environment and overrides.
+
+    `overrides` are settings as keyword arguments (what command-line flags set),
+    nested as dicts for sections (`engine={"model": ...}`); a None value leaves
+    the setting as the file and environment have it, and a section's other
+    fields stay as they are.
+    """
     import os
 
     data: dict[str, object] = {}
@@ -900,5 +939,20 @@ def load_settings(config_file: Path | None = None, **overrides: object) -> Setti
             data = yaml.safe_load(text) or {}
         else:
             data = json.loads(text)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(**data)  # type: ignore[arg-type]
+    return Settings(**_merged(data, overrides))  # type: ignore[arg-type]
+
+
+def _merged(base: dict[str, object], overrides: dict[str, object]) -> dict[str, object]:
+    """`base` with `overrides` laid over it, sections (dicts) merged key by key, None skipped."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        current = out.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            out[key] = _merged(current, value)
+        elif isinstance(value, dict):
+            out[key] = _merged({}, value)
+        else:
+            out[key] = value
+    return out

@@ -565,6 +565,10 @@ def build_consumer(
         "dead_letter_max_bytes": kafka.dead_letter_max_bytes,
         "retry_initial_s": kafka.retry_initial_s,
         "retry_max_s": kafka.retry_max_s,
+        "rejoin_interval_s": config.rejoin_interval_s,
+        "session_timeout_ms": kafka.session_timeout_ms,
+        "heartbeat_interval_ms": kafka.heartbeat_interval_ms,
+        "commit_delay_s": kafka.commit_delay_s,
         "client_options": kafka_client_options(kafka),
     }
     return FeedbackConsumer(
