@@ -1,10 +1,14 @@
 """The deployer: makes the engine serve what the adapter registry's active pointer says.
 
 The registry's active pointer is the one truth of what serves. Everything that
-changes it (trainer publish, operator rollback, the regression guard, the
-runtime load/unload routes) goes through here or only moves the pointer, and
-the deployer brings the engine to it. `serving(agent)` is the one source that
-every reporter reads (`/v1/models`, the gateway's routes, the agent table).
+changes it (a release's promotion, a trainer publish with the release path off,
+operator rollback, the runtime load/unload routes) goes through here or only
+moves the pointer, and the deployer brings the engine to it. A release also
+loads extra arms under names that are not agents (`release.arms`: a canary
+beside the serving version, a candidate while the gate evaluates it):
+`load_arm` / `unload_arm`, checked like every load. `serving(agent)` is the one
+source that every reporter reads (`/v1/models`, the gateway's routes, the agent
+table).
 
 One order, everywhere a move starts in this process:
 
@@ -43,7 +47,7 @@ registry's immutable copy rather than the caller's directory, and moves the
 pointer back if the engine then refuses it.
 
 Not here: the registry's durability (`clora_feedback.store.registry`), the
-engine's slots (`embedded`), when to roll back (`clora_feedback.train.guard`).
+engine's slots (`embedded`), what to release (`clora_feedback.release`).
 """
 
 from __future__ import annotations
@@ -144,6 +148,7 @@ class Deployer(BackgroundTask):
         self._serving: dict[str, int] = {}  # what the engine serves, by this deployer's hand
         self._handoffs: dict[str, int] = {}  # trainer hand-offs whose pointer has not moved yet
         self._failed: dict[str, int] = {}  # pointer versions that failed to load here
+        self._arms: dict[str, int] = {}  # release arms (`release.arms` names) -> version
         self._serial = asyncio.Lock()  # one move at a time on the event loop
         # Held by every move while it changes the engine; the trainer's thread holds it
         # only for one staged slot write (or its undo), so the event loop waits briefly.
@@ -320,6 +325,44 @@ class Deployer(BackgroundTask):
         except CloraError as exc:  # the pointer moved meanwhile: it is someone else's now
             log.error("agent %s: could not undo the adoption of v%d: %s", agent, version,
                       exc.message)  # fmt: skip
+
+    async def install_then(self, agent: str, version: int, move: Callable[[], T]) -> T:
+        """Serve `version` as `agent`'s serving version, then run `move` (the pointer's
+        compare-and-set, e.g. a release's promotion); if `move` raises, the engine goes
+        back to the pointer. The one order of every move, for a caller that moves the
+        pointer its own way.
+
+        Raises:
+            CloraError: the version cannot be loaded (nothing changed), or `move`'s error.
+        """
+        async with self._moving():
+            await self._install(await self._ref(agent, version))
+            return await self._then_move(agent, move)
+
+    # -- release arms: extra engine names beside the serving version ----------------------
+
+    async def load_arm(self, name: str, agent: str, version: int) -> None:
+        """Load `agent`'s `version` under the engine name `name` (a canary or a gate arm,
+        `release.arms`), beside its serving version; checked like every load.
+
+        Raises:
+            CloraError: the version cannot be loaded (nothing served changes).
+        """
+        info = await asyncio.to_thread(self.registry.get, agent, version)
+        ref = await self._ref_of(info)
+        async with self._moving():
+            await self.engine.load_adapter(AdapterRef(name, version, ref.path, ref.weights))
+            self._arms[name] = version
+
+    async def unload_arm(self, name: str) -> None:
+        """Unload the arm `name` (a no-op when it is not loaded)."""
+        async with self._moving():
+            await self.engine.unload_adapter(name)
+            self._arms.pop(name, None)
+
+    def arms(self) -> dict[str, int]:
+        """Release arms loaded by this deployer: engine name -> version."""
+        return dict(self._arms)
 
     async def deactivate(self, agent: str) -> None:
         """Stop serving `agent`'s adapter and point it at no version (an unload).

@@ -6,6 +6,13 @@
     POST /v1/adapters/{agent}/rollback              {"version": N, "reason": "..."}
     POST /v1/adapters/{agent}/pin                   freeze training
     POST /v1/adapters/{agent}/unpin                 let training publish again
+    POST /v1/adapters/{agent}/gate                  {"version": N}: run the offline gate now
+    POST /v1/adapters/{agent}/promote               {"version": N?}: serve it (default the canary)
+    POST /v1/adapters/{agent}/abort                 stop the live canary (share 0 at once)
+    POST /v1/adapters/{agent}/cases                 {"cases": [...]}: add operator eval cases
+
+The release routes answer 409 `release_off` when the release path is off; the
+versions list carries each version's release record (state and evidence).
 
 An agent declared in the config before its first version (served by the base
 model, listed by `/v1/models` at adapter version 0) is listed here too, with no
@@ -46,14 +53,19 @@ from fastapi import APIRouter, Depends, Request
 from fastapi import Path as PathParam
 
 from clora_feedback.engine.deployer import Deployer
-from clora_feedback.errors import NotFoundError
+from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError
 from clora_feedback.gateway.auth import admin_principal
+from clora_feedback.release.controller import ReleaseController
 from clora_feedback.schemas.admin import (
     MAX_VERSION,
     AdapterVersionList,
     AdapterVersionObject,
     AgentAdaptersList,
     AgentAdaptersObject,
+    CasesRequest,
+    CasesResult,
+    ReleaseActionRequest,
+    ReleaseActionResult,
     RollbackRequest,
     RollbackResult,
 )
@@ -67,7 +79,11 @@ VersionNumber = Annotated[int, PathParam(ge=1, le=MAX_VERSION)]
 """A version in a path: bounded like `RollbackRequest.version` (400 beyond, naming it)."""
 
 
-def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = None) -> APIRouter:
+def build_adapters_router(
+    registry: AdapterStore,
+    deployer: Deployer | None = None,
+    release: ReleaseController | None = None,
+) -> APIRouter:
     """The admin router over `registry`; mount it with `app.include_router(...)`.
 
     Args:
@@ -75,6 +91,7 @@ def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = No
         deployer: moves the pointer on rollback and brings its engine along (None: the
             registry pointer alone moves, e.g. when no engine runs here; a deployer
             elsewhere follows it).
+        release: the release path (None: off; its routes answer 409 `release_off`).
 
     Returns:
         An `APIRouter` whose routes all require the admin key.
@@ -101,18 +118,20 @@ def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = No
                 raise
 
         info, versions = await asyncio.to_thread(read)
+        records = {} if release is None else await asyncio.to_thread(release.book.of_agent, agent)
         return AdapterVersionList(
             agent=agent,
             active_version=info.active_version,
             pinned=info.pinned,
-            data=[AdapterVersionObject.of(v) for v in versions],
+            data=[AdapterVersionObject.of(v, release=records.get(v.version)) for v in versions],
         )
 
     @router.get("/{agent}/versions/{version}")
     async def get_version(agent: str, version: VersionNumber) -> AdapterVersionObject:
         def read() -> AdapterVersionObject:
+            record = None if release is None else release.book.get(agent, version)
             return AdapterVersionObject.of(
-                registry.get(agent, version), registry.manifest(agent, version)
+                registry.get(agent, version), registry.manifest(agent, version), record
             )
 
         return await asyncio.to_thread(read)
@@ -129,7 +148,59 @@ def build_adapters_router(registry: AdapterStore, deployer: Deployer | None = No
     async def unpin(agent: str) -> AgentAdaptersObject:
         return await set_pinned(registry, agent, False)
 
+    @router.post("/{agent}/gate")
+    async def gate(agent: str, body: ReleaseActionRequest) -> ReleaseActionResult:
+        return await release_action(release, agent, "gate", body)
+
+    @router.post("/{agent}/promote")
+    async def promote(agent: str, body: ReleaseActionRequest) -> ReleaseActionResult:
+        return await release_action(release, agent, "promote", body)
+
+    @router.post("/{agent}/abort")
+    async def abort(agent: str, body: ReleaseActionRequest) -> ReleaseActionResult:
+        return await release_action(release, agent, "abort", body)
+
+    @router.post("/{agent}/cases")
+    async def cases(agent: str, body: CasesRequest) -> CasesResult:
+        evalset = None if release is None else release.evalset
+        if evalset is None:
+            raise ConflictError("the offline gate is off: no evaluation cases", code="release_off")
+        added = await asyncio.to_thread(evalset.add_operator_cases, agent, body.cases)
+        return CasesResult(agent=agent, added=added)
+
     return router
+
+
+async def release_action(
+    release: ReleaseController | None, agent: str, action: str, body: ReleaseActionRequest
+) -> ReleaseActionResult:
+    """An operator's gate, promote or abort: the one path (these routes, the console).
+
+    Raises:
+        ConflictError: the release path is off (`release_off`), the version is rejected or
+            serving, or no canary runs (404 `no_canary` for promote/abort without one).
+        InvalidRequestError: `gate` without a version.
+        NotFoundError: unknown agent or version.
+    """
+    if release is None:
+        raise ConflictError("the release path is off (release.enabled)", code="release_off")
+    reason = (body.reason or "").strip() or f"{action} by an operator through the admin API"
+    if action == "gate":
+        if body.version is None:
+            raise InvalidRequestError("name the version to gate", param="version")
+        verdict = await release.gate_now(agent, body.version)
+        return ReleaseActionResult(agent=agent, version=body.version, action="gate",
+                                   state=verdict.verdict, reason=verdict.reason,
+                                   evidence=verdict.evidence)  # fmt: skip
+    if action == "promote":
+        version = await release.promote(agent, body.version, reason=reason)
+        state = "promoted"
+    else:
+        version = await release.abort(agent, reason=reason)
+        state = "aborted"
+    log.warning("agent %s: v%d %s by an operator: %s", agent, version, state, reason)
+    return ReleaseActionResult(agent=agent, version=version, action=action,
+                               state=state, reason=reason)  # fmt: skip
 
 
 def _declared(request: Request) -> list[str]:

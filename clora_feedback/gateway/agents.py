@@ -20,7 +20,8 @@ it, an unload deactivates the agent's pointer, and every live version reported
 here (`Route.adapter_version`, `version`) is `Deployer.serving`. So a version
 the trainer published, or a rollback, is seen at once; an agent served from
 the registry but not configured (loaded at runtime before a restart, or in
-another process) is listed too.
+another process) is listed too. While a release's canary runs, `resolve` asks the
+release (`canary_route`) whether the request's sticky key goes to the canary arm.
 
 Not here: HTTP (see `admin`), reading adapter files (see `lora.peft_io`).
 """
@@ -30,9 +31,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from clora_feedback.config import AgentConfig
 from clora_feedback.engine.base import Engine
@@ -41,8 +43,21 @@ from clora_feedback.engine.types import BASE_VERSION
 from clora_feedback.errors import InvalidRequestError, NotFoundError
 from clora_feedback.gateway.auth import model_not_found
 from clora_feedback.lora.weights import LoRALimits
+from clora_feedback.release.canary import sticky_key as release_sticky_key
 
 log = logging.getLogger(__name__)
+
+
+CanaryRoute = Callable[[str, str], "tuple[str, int] | None"]
+"""(agent, sticky key) -> (engine name, version) of its canary arm when the key goes there."""
+
+
+def sticky_key(body: Any, request_id: str) -> str:
+    """What keeps a request on one release arm: `metadata.conversation_id`, else `user`,
+    else the request itself (`release.canary.sticky_key`)."""
+    metadata = getattr(body, "metadata", None) or {}
+    return release_sticky_key(metadata.get("conversation_id"), getattr(body, "user", None),
+                              request_id)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,9 @@ class Route:
     agent: str | None
     engine_agent: str | None
     adapter_version: int
+    arm: str = "serving"
+    """`serving`, or `canary` when a release's canary serves this request (its version is
+    `adapter_version`, recorded with the trajectory)."""
 
 
 @dataclass
@@ -95,6 +113,8 @@ class AgentRegistry:
         self._agents: dict[str, AgentInfo] = {}
         self._lock = asyncio.Lock()
         self.created = int(time.time())
+        self.canary_route: CanaryRoute | None = None
+        """The release's arm choice (`ReleaseController.route`); None: no canaries."""
 
     @property
     def base_model(self) -> str:
@@ -154,8 +174,9 @@ class AgentRegistry:
             info = self._agents[name] = AgentInfo(name, int(time.time()), from_config=False)
         return info
 
-    def resolve(self, model: str) -> Route:
-        """Route a request's `model`.
+    def resolve(self, model: str, *, sticky: str | None = None) -> Route:
+        """Route a request's `model`; with `sticky` (see `sticky_key`), a live canary of the
+        agent may serve it (`arm` says which).
 
         Raises:
             NotFoundError: neither the base model nor a registered agent (param `model`).
@@ -164,6 +185,12 @@ class AgentRegistry:
             return Route(model, agent=None, engine_agent=None, adapter_version=BASE_VERSION)
         if self.get(model) is None:
             raise model_not_found(model)  # the same answer as for another key's model
+        if sticky is not None and self.canary_route is not None:
+            arm = self.canary_route(model, sticky)
+            if arm is not None:
+                return Route(
+                    model, model, engine_agent=arm[0], adapter_version=arm[1], arm="canary"
+                )
         live = self.version(model)
         if live is None:
             return Route(model, agent=model, engine_agent=None, adapter_version=BASE_VERSION)

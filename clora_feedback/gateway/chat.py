@@ -60,7 +60,7 @@ from clora_feedback.engine.base import Engine
 from clora_feedback.engine.guided import check_supported
 from clora_feedback.engine.types import GuidedDecoding, JSONSchemaSpec, RequestOutput, ToolCallSpec
 from clora_feedback.errors import CloraError, EngineError, InvalidRequestError
-from clora_feedback.gateway.agents import AgentRegistry, Route
+from clora_feedback.gateway.agents import AgentRegistry, Route, sticky_key
 from clora_feedback.gateway.auth import Principal
 from clora_feedback.gateway.capture import build_record, version_attribution
 from clora_feedback.gateway.errors import error_event
@@ -159,7 +159,7 @@ class ChatHandler:
         `size`: the bytes the prompt is rendered from, when known (the HTTP body of a chat
         request); a small one is rendered on the event loop (`off_loop`).
         """
-        route = self._agents.resolve(body.model)
+        route = self._agents.resolve(body.model, sticky=sticky_key(body, uuid.uuid4().hex))
         principal.check_model(body.model, route.agent)
         # Rendering and tokenising a big prompt takes a while: keep the event loop free.
         prompt = await off_loop(lambda: self._prepare(body), size=size)

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.types import RequestOutput
 from clora_feedback.errors import CloraError, EngineError
-from clora_feedback.gateway.agents import AgentRegistry, Route
+from clora_feedback.gateway.agents import AgentRegistry, Route, sticky_key
 from clora_feedback.gateway.auth import Principal
 from clora_feedback.gateway.capture import build_record, version_attribution
 from clora_feedback.gateway.errors import error_event
@@ -57,7 +57,7 @@ class CompletionHandler:
 
     async def create(self, body: CompletionRequest, principal: Principal, request: Request) -> Any:
         """Answer one request: a JSON-able dict, or an `SSEResponse` when streaming."""
-        route = self._agents.resolve(body.model)
+        route = self._agents.resolve(body.model, sticky=sticky_key(body, uuid.uuid4().hex))
         principal.check_model(body.model, route.agent)
         text = body.prompt_text
         if text is not None:

@@ -43,6 +43,73 @@ class RollbackRequest(BaseModel):
     )
 
 
+ReleaseState = Literal[
+    "candidate", "skipped", "passed", "failed", "invalid", "canary", "promoted", "aborted"
+]
+"""A version's state on the release path (see `clora_feedback.store.registry.releases`)."""
+
+
+class ReleaseObject(BaseModel):
+    """A version's release record (`ReleaseRecord` on the wire)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    state: ReleaseState
+    share: float | None = Field(None, description="The canary's share of the agent's requests.")
+    serving: int | None = Field(None, description="The serving version it was compared with.")
+    evidence: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Per stage (gate, canary, operator): statistics, counts and the reason.",
+    )
+    updated_at: float
+
+
+class ReleaseActionRequest(BaseModel):
+    """`POST /v1/adapters/{agent}/gate | promote | abort`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    version: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_VERSION,
+        description="gate: the version to judge (required); promote: the version (default "
+        "the live canary); abort: ignored (the live canary).",
+    )
+    reason: str | None = Field(None, max_length=2000, description="Recorded with the verdict.")
+
+
+class ReleaseActionResult(BaseModel):
+    """The answer to a gate, promote or abort."""
+
+    object: Literal["adapter.release"] = "adapter.release"
+    agent: str
+    version: int
+    action: Literal["gate", "promote", "abort"]
+    state: ReleaseState
+    reason: str
+    evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+class CasesRequest(BaseModel):
+    """`POST /v1/adapters/{agent}/cases`: operator evaluation cases (docs/release.md)."""
+
+    cases: list[dict[str, Any]] = Field(
+        ...,
+        min_length=1,
+        max_length=1000,
+        description='Each {"messages": [...], "answer": "..."} or {"prompt": "...", "answer": "..."}.',
+    )
+
+
+class CasesResult(BaseModel):
+    """The answer to adding operator cases."""
+
+    object: Literal["adapter.cases"] = "adapter.cases"
+    agent: str
+    added: int
+
+
 class AdapterVersionObject(BaseModel):
     """One adapter version (`VersionInfo` on the wire)."""
 
@@ -80,6 +147,12 @@ class AdapterVersionObject(BaseModel):
     manifest: dict[str, Any] | None = Field(
         None, description="The version's manifest.json (only on the single-version route)."
     )
+    release: ReleaseObject | None = Field(
+        None,
+        description="Where it is on the release path (candidate, skipped, passed, failed, "
+        "invalid, canary, promoted, aborted) with each verdict's evidence; None: it never "
+        "entered it (an initial adapter, a runtime load, the release path off).",
+    )
 
     @field_validator("path", mode="before")
     @classmethod
@@ -87,10 +160,18 @@ class AdapterVersionObject(BaseModel):
         return str(value) if isinstance(value, PurePath) else value
 
     @classmethod
-    def of(cls, info: Any, manifest: dict[str, Any] | None = None) -> AdapterVersionObject:
-        """The wire form of a `VersionInfo` (any object with its attributes)."""
+    def of(
+        cls, info: Any, manifest: dict[str, Any] | None = None, release: Any = None
+    ) -> AdapterVersionObject:
+        """The wire form of a `VersionInfo` (any object with its attributes), with its
+        manifest and its release record (a `ReleaseRecord`) when given."""
         obj = cls.model_validate(info, from_attributes=True)
-        return obj if manifest is None else obj.model_copy(update={"manifest": manifest})
+        update: dict[str, Any] = {}
+        if manifest is not None:
+            update["manifest"] = manifest
+        if release is not None:
+            update["release"] = ReleaseObject.model_validate(release, from_attributes=True)
+        return obj.model_copy(update=update) if update else obj
 
 
 class AgentAdaptersObject(BaseModel):
