@@ -5,6 +5,9 @@
     clora adapters show AGENT VERSION                 one version with its manifest
     clora adapters rollback AGENT VERSION [--reason]  serve and train from VERSION again
     clora adapters pin AGENT | unpin AGENT            freeze / resume training
+    clora adapters gate AGENT VERSION                 run the offline gate on VERSION now
+    clora adapters promote AGENT [VERSION]            serve VERSION (default: the canary)
+    clora adapters abort AGENT                        stop the live canary (share 0 at once)
     clora adapters prune [--keep-last N]              one retention pass, on the stores
 
 Every action takes `--url` (default: `http://<host>:<port>` from the settings
@@ -70,6 +73,20 @@ def add_adapters_parser(subparsers: Any) -> argparse.ArgumentParser:
     rollback.add_argument("--reason", default=None, help="Recorded on the versions it marks.")
     for name, text in (("pin", "Freeze training."), ("unpin", "Let training publish again.")):
         actions.add_parser(name, parents=[common], help=text).add_argument("agent")
+    gate = actions.add_parser(
+        "gate", parents=[common], help="Judge a version against serving on the eval cases now."
+    )
+    gate.add_argument("agent")
+    gate.add_argument("version", type=int)
+    promote = actions.add_parser(
+        "promote", parents=[common], help="Serve a version to everyone (default: the canary)."
+    )
+    promote.add_argument("agent")
+    promote.add_argument("version", type=int, nargs="?", default=None)
+    abort = actions.add_parser("abort", parents=[common], help="Stop the agent's live canary.")
+    abort.add_argument("agent")
+    for release in (gate, promote, abort):
+        release.add_argument("--reason", default=None, help="Recorded with the verdict.")
     prune = actions.add_parser(
         "prune",
         parents=[common],
@@ -112,6 +129,12 @@ def _request(args: argparse.Namespace, client: httpx.Client) -> httpx.Response:
         if args.reason:
             body["reason"] = args.reason
         return client.post(f"/v1/adapters/{args.agent}/rollback", json=body)
+    if action in ("gate", "promote", "abort"):
+        release: dict[str, Any] = {"reason": args.reason} if args.reason else {}
+        if getattr(args, "version", None) is not None:
+            release["version"] = args.version
+        timeout = max(args.timeout, 180.0) if action == "gate" else args.timeout
+        return client.post(f"/v1/adapters/{args.agent}/{action}", json=release, timeout=timeout)
     return client.post(f"/v1/adapters/{args.agent}/{action}")
 
 
@@ -244,7 +267,7 @@ def render(action: str, payload: dict[str, Any]) -> str:
             f"{'pinned (training frozen)' if payload['pinned'] else 'not pinned'}"
         )
         rows = [_version_row(v) for v in payload["data"]]
-        headers = ["VERSION", "STATUS", "PARENT", "STEP", "CREATED", "METRICS", "REASON"]
+        headers = ["VERSION", "STATUS", "RELEASE", "PARENT", "STEP", "CREATED", "METRICS", "REASON"]
         return head + "\n" + format_table(headers, rows)
     if action == "show":
         return _show(payload)
@@ -253,6 +276,11 @@ def render(action: str, payload: dict[str, Any]) -> str:
         return (
             f"agent {payload['agent']}: version {_opt(payload['previous_version'])} -> "
             f"{payload['active_version']} (marked rolled back: {marked})\n"
+            f"reason: {payload['reason']}"
+        )
+    if action in ("gate", "promote", "abort"):
+        return (
+            f"agent {payload['agent']}: v{payload['version']} {payload['state']}\n"
             f"reason: {payload['reason']}"
         )
     state = "pinned: training frozen" if payload["pinned"] else "unpinned: training may publish"
@@ -266,12 +294,35 @@ def _version_row(v: dict[str, Any]) -> list[str]:
         v["status"]
         + (" (pruned)" if v.get("payload_pruned") else "")
         + (" (no-op)" if v.get("noop") else ""),
+        _release(v.get("release")),
         _opt(v["parent"]),
         str(v["step"]),
         _when(v["created_at"]),
         _metrics(v["metrics"]),
-        _short(v["rolled_back_reason"]),
+        _short(v["rolled_back_reason"] or _release_reason(v.get("release"))),
     ]
+
+
+def _release(record: dict[str, Any] | None) -> str:
+    """A version's release state, with the canary's share while it runs."""
+    if not record:
+        return "-"
+    share = record.get("share")
+    return (
+        f"{record['state']} {share:.0%}"
+        if record["state"] == "canary" and share
+        else record["state"]
+    )
+
+
+def _release_reason(record: dict[str, Any] | None) -> str | None:
+    """The latest verdict's reason (canary over gate)."""
+    evidence = (record or {}).get("evidence") or {}
+    for stage in ("operator", "canary", "gate"):
+        reason = (evidence.get(stage) or {}).get("reason")
+        if reason:
+            return str(reason)
+    return None
 
 
 def _show(v: dict[str, Any]) -> str:
@@ -288,6 +339,7 @@ def _show(v: dict[str, Any]) -> str:
         ("metrics", _metrics(v["metrics"])),
         ("feedback window", json.dumps(v["feedback_window"])),
         ("rolled back", f"{_when(v['rolled_back_at'])} {v['rolled_back_reason'] or ''}".strip()),
+        ("release", json.dumps(v.get("release"))),
     ]
     width = max(len(k) for k, _ in fields)
     text = "\n".join(f"{k.ljust(width)}  {value}" for k, value in fields)
