@@ -726,6 +726,13 @@ class ServerConfig(BaseModel):
         description="Log one line per request (query values other than the gateway's own "
         "parameters are redacted, so a key sent as `?api_key=` never reaches the log).",
     )
+    metrics_top_agents: int = Field(
+        20,
+        ge=0,
+        description="Agents with rows of their own in `/metrics` (those with the most "
+        "completions); every other agent is folded into one `agent=\"_other\"` row, so a "
+        "scrape stays bounded whatever the number of agents. 0: aggregates only.",
+    )
 
 
 class RetentionConfig(BaseModel):

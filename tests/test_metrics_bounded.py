@@ -8,6 +8,7 @@ gauges drop the rest); `clora_agents` counts them. Unit tests on `Metrics`.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from clora_feedback.engine.types import EngineStats
 from clora_feedback.gateway.metrics import OTHER_AGENTS, Family, Metrics
@@ -72,3 +73,26 @@ def test_top_zero_keeps_only_aggregates_and_few_agents_keep_their_names() -> Non
     assert 'clora_completions_total{agent="support",endpoint="chat"} 1' in text
     assert 'clora_completions_total{agent="sales",endpoint="completions"} 1' in text
     assert OTHER_AGENTS not in text
+
+
+def test_the_app_takes_the_bound_from_the_settings(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from clora_feedback.config import EngineConfig, ServerConfig, Settings
+    from clora_feedback.engine.deployer import Deployer
+    from clora_feedback.engine.embedded import EmbeddedEngine
+    from clora_feedback.gateway.app import create_app
+    from clora_feedback.store.registry import AdapterRegistry
+    from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+    settings = Settings(data_dir=tmp_path, server=ServerConfig(metrics_top_agents=3))
+    engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_num_seqs=1, max_model_len=64))
+    registry = AdapterRegistry(tmp_path / "adapters", tmp_path / "registry.db")
+    try:
+        app = create_app(
+            settings,
+            engine,
+            AsyncTrajectoryStore(tmp_path / "t.db"),
+            deployer=Deployer(engine, registry),
+        )
+        assert app.state.gateway.metrics.top_agents == 3
+    finally:
+        registry.close()

@@ -71,7 +71,7 @@ def create_app(
         components: started in order once the agents are loaded, stopped in reverse.
     """
     agents = agents or AgentRegistry(engine, deployer or _own_deployer(settings, engine))
-    metrics = Metrics()
+    metrics = Metrics(top_agents=settings.server.metrics_top_agents)
     state = GatewayState(
         engine=engine,
         store=store,
