@@ -30,6 +30,7 @@ FORBIDDEN = {
     "clora_feedback.store": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "fastapi", "aiokafka"),
     "clora_feedback.train": ("clora_feedback.engine", "clora_feedback.gateway", "fastapi", "aiokafka"),
     "clora_feedback.feedback": ("clora_feedback.gateway", "clora_feedback.train", "clora_feedback.engine", "clora_feedback.service", "clora_feedback.cli", "clora_feedback.client", "clora_feedback.demo", "clora_feedback.bench"),
+    "clora_feedback.release": ("clora_feedback.gateway", "clora_feedback.train", "clora_feedback.service", "clora_feedback.cli", "fastapi", "aiokafka"),
     "clora_feedback.gateway": ("clora_feedback.service", "clora_feedback.cli", "clora_feedback.client", "clora_feedback.demo", "clora_feedback.bench"),
     "clora_feedback.client": ("clora_feedback.feedback.kafka", "clora_feedback.gateway", "clora_feedback.service", "fastapi"),
     # `clora bench` drives a running gateway from outside; benchmarks of engine and trainer
