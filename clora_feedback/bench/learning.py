@@ -1,8 +1,9 @@
 """`clora bench learning`: held-out accuracy against wall time on tasks the repo was not tuned for.
 
 Per task family (`learning_tasks`), one fresh service with the **default
-trainer settings** (`TrainerConfig()`: learning rate, admission, trigger,
-regression guard, all as `clora serve` ships them; nothing tuned per task)
+trainer settings** (`TrainerConfig()`: learning rate, admission, trigger, and
+the release path: gate and canary, all as `clora serve` ships them; nothing
+tuned per task)
 runs a streaming loop like a real deployment, for `--minutes`:
 
 - `--users` simulated users send training prompts through the real gateway
@@ -79,7 +80,7 @@ from clora_feedback.bench.learning_tasks import (
     first_line,
 )
 from clora_feedback.bench.report import machine_facts
-from clora_feedback.config import Settings, TrainerConfig
+from clora_feedback.config import ReleaseConfig, Settings, TrainerConfig
 from clora_feedback.demo.experiment import ExperimentConfig, service_settings
 from clora_feedback.demo.heap import release_freed_memory
 from clora_feedback.demo.server import LocalServer
@@ -262,6 +263,7 @@ def learning_settings(model_dir: Path, data_dir: Path, cfg: LearningConfig) -> S
     )  # fmt: skip
     settings = service_settings(model_dir, data_dir, engine, [AGENT])
     settings.trainer = trainer_config(cfg.trainer)
+    settings.release = ReleaseConfig()  # the experiment turns it off; a new user has it on
     return settings
 
 
@@ -525,7 +527,12 @@ def run(argv: Sequence[str]) -> int:
     facts["trainer"] = (
         f"lr {trainer.lr:g}, warm-up {trainer.warmup_steps} steps, "
         f"admission {trainer.admission.min_batch}-{trainer.admission.max_batch} samples, "
-        f"trigger {trainer.trigger_interval_s:g} s, guard {'on' if trainer.guard.enabled else 'off'}"
+        f"trigger {trainer.trigger_interval_s:g} s"
+    )
+    release = ReleaseConfig()
+    facts["release"] = (
+        f"gate min {release.gate.min_cases} cases (holdout {release.gate.holdout_fraction:g}), "
+        f"canary {release.canary.share:.0%} until {release.canary.min_feedback} rewards"
     )
     write(args.out, asdict(cfg), runs, facts)
     return 0

@@ -51,8 +51,8 @@ from clora_feedback.config import (
     AgentConfig,
     EngineConfig,
     FeedbackConfig,
-    GuardConfig,
     KafkaConfig,
+    ReleaseConfig,
     Settings,
     TrainerConfig,
 )
@@ -196,8 +196,9 @@ def service_settings(
     Admission takes whatever one step's feedback brought (it arrives in one
     transaction), staleness may not exceed one version (the loop is
     synchronous, so it is always 0), the time trigger is off, and the
-    regression guard is off (an experiment measures learning, it should not
-    be rolled back mid-run). Feedback goes straight to the store (no broker).
+    release path is off: every step's version serves at once (an experiment
+    measures learning per step; `clora bench learning` turns the release path
+    back on). Feedback goes straight to the store (no broker).
     """
     return Settings(
         data_dir=data_dir,
@@ -223,8 +224,8 @@ def service_settings(
             batched_agents=cfg.batched_agents,
             **({} if cfg.trainer_nice is None else {"nice": cfg.trainer_nice}),
             seed=0,
-            guard=GuardConfig(enabled=False),
         ),
+        release=ReleaseConfig(enabled=False),
     )
 
 

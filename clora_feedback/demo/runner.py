@@ -50,7 +50,6 @@ from clora_feedback.config import (
     AgentConfig,
     EngineConfig,
     FeedbackConfig,
-    GuardConfig,
     KafkaConfig,
     Settings,
     TrainerConfig,
@@ -140,7 +139,8 @@ class AgentLive:
 
 def demo_settings(config: DemoConfig, model_dir: Path, bootstrap: str) -> Settings:
     """The service configuration of the demo: `clora serve`'s, trainer defaults included
-    (only `lr` and `batch` when given, a faster trigger and a guard sized for a demo)."""
+    (only `lr` and `batch` when given, a faster trigger) and the release path as it ships:
+    each trainer candidate is gated and canaried before it serves (docs/release.md)."""
     trainer: dict[str, Any] = {"rank": config.rank}
     if config.lr is not None:
         trainer["lr"] = config.lr
@@ -161,7 +161,6 @@ def demo_settings(config: DemoConfig, model_dir: Path, bootstrap: str) -> Settin
             **trainer,
             trigger_interval_s=120.0,
             poll_interval_s=0.2,
-            guard=GuardConfig(min_samples=32, margin=0.15, check_interval_s=10.0),
         ),
     )
 

@@ -34,7 +34,7 @@ Not here: sessions (`sessions`), what the pages read (`views`), the feed (`live`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Annotated, Any
 
@@ -102,6 +102,7 @@ def build_console_router(
     serving: Callable[[], Sequence[str]],
     deployer: Deployer | None = None,
     replica_of: Callable[[str], str | None] | None = None,
+    releases: Callable[[str], Mapping[int, Any]] | None = None,
 ) -> APIRouter:
     """The console router; mount it with `app.include_router(...)` on a gateway app.
 
@@ -113,12 +114,13 @@ def build_console_router(
         serving: the names of the agents the gateway serves.
         deployer: moves pointers on rollback (None: the registry alone, as the admin routes).
         replica_of: the engine's `Engine.replica_of` (None: no replica column).
+        releases: agent -> its versions' release records (the Release column; None: off).
     """
     sessions = SessionStore(config.session_ttl_s, config.max_sessions)
     limiter = LoginLimiter(config.login_failures_per_minute)
     views = ConsoleViews(
         registry, feedback, trajectories, serving,
-        show_text=config.show_text, replica_of=replica_of,
+        show_text=config.show_text, replica_of=replica_of, releases=releases,
     )  # fmt: skip
     feed = ChangeFeed(registry, feedback, config.poll_interval_s)
     router = APIRouter(prefix="/console", tags=["console"])

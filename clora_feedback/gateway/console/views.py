@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -114,6 +114,8 @@ class ConsoleViews:
         show_text: include prompt and output text of trajectories.
         replica_of: the engine's `Engine.replica_of` (where an agent is served); None
             shows no replica.
+        releases: agent -> its versions' release records (`ReleaseBook.of_agent`); None
+            with the release path off.
         clock: seconds since the epoch (tests pass their own).
     """
 
@@ -126,6 +128,7 @@ class ConsoleViews:
         *,
         show_text: bool,
         replica_of: Callable[[str], str | None] | None = None,
+        releases: Callable[[str], Mapping[int, Any]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._registry = registry
@@ -134,6 +137,7 @@ class ConsoleViews:
         self._serving = serving
         self.show_text = show_text
         self._replica_of = replica_of
+        self._releases = releases
         self._clock = clock
         self._window_lock = asyncio.Lock()
         self._window_read: tuple[float, _Window] | None = None
@@ -218,6 +222,9 @@ class ConsoleViews:
             return info, versions, rewards, self._feedback.state_counts(agent)
 
         info, versions, rewards, counts = await asyncio.to_thread(read)
+        records: Mapping[int, Any] = {}
+        if self._releases is not None and versions:
+            records = await asyncio.to_thread(self._releases, agent)
         window = await self._window()
         return {
             **_agent_fields(agent, info),
@@ -225,7 +232,7 @@ class ConsoleViews:
             "feedback": _counts(counts),
             **window.fields(agent),
             "replica": self._replica(agent),
-            "versions": [_version_row(v) for v in versions],
+            "versions": [_version_row(v, records.get(v.version)) for v in versions],
             "rewards": [
                 {"t": p.created_at, "reward": p.reward, "version": p.adapter_version}
                 for p in rewards
@@ -313,7 +320,20 @@ def _metric(version: VersionInfo | None, key: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _version_row(v: VersionInfo) -> dict[str, Any]:
+def _release_fields(record: Any) -> dict[str, Any]:
+    """A version's release state for the console: state, the canary's share, the latest
+    verdict's reason (operator over canary over gate)."""
+    if record is None:
+        return {"release": None, "release_share": None, "release_reason": None}
+    reason = None
+    for stage in ("operator", "canary", "gate"):
+        reason = (record.evidence.get(stage) or {}).get("reason")
+        if reason:
+            break
+    return {"release": record.state, "release_share": record.share, "release_reason": reason}
+
+
+def _version_row(v: VersionInfo, record: Any = None) -> dict[str, Any]:
     samples = (v.feedback_window or {}).get("samples")
     if samples is None and "num_pg" in v.metrics:
         samples = (v.metrics.get("num_pg") or 0) + (v.metrics.get("num_sft") or 0)
@@ -329,6 +349,7 @@ def _version_row(v: VersionInfo) -> dict[str, Any]:
         "samples": samples,
         "rolled_back_at": v.rolled_back_at,
         "rolled_back_reason": v.rolled_back_reason,
+        **_release_fields(record),
     }
 
 

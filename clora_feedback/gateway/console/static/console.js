@@ -321,9 +321,13 @@ function renderVersions(d) {
     }
     const state_ = el("span", { class: `badge ${v.status}`, title: v.rolled_back_reason || "" },
       v.status.replace("_", " "));
+    const share = v.release === "canary" && v.release_share ? ` ${Math.round(v.release_share * 100)}%` : "";
+    const release = v.release === null || v.release === undefined ? "–"
+      : el("span", { class: `badge release-${v.release}`, title: v.release_reason || "" }, `${v.release}${share}`);
     body.append(el("tr", { "data-version": v.version },
       el("th", { scope: "row" }, `v${v.version}`),
       el("td", null, state_),
+      el("td", null, release),
       el("td", null, v.parent === null ? "–" : `v${v.parent}`),
       el("td", { class: "num" }, v.step),
       el("td", { class: "num" }, fmtNum(v.loss, 4)),
