@@ -6,7 +6,9 @@ processes) from outside, as a user does: measured ratios printed as a table.
 vLLM), `ingest` (feedback from a real broker into the store), `experiments`
 (the C-LoRA experiment), `scaleout` (the roles as processes, 1 vs 2),
 `learning` (held-out accuracy against wall time on task families the repo was
-not tuned for, default trainer settings). Benchmarks are programs, not tests:
+not tuned for, default trainer settings), `release` (the release path end to end:
+time to a promoted version, a collapsed candidate rejected, a worse-live canary
+aborted, and their exposure). Benchmarks are programs, not tests:
 their figures are recorded in `docs/benchmarks.md`.
 
 Not here: the white-box benchmarks of engine and trainer internals (training
@@ -28,6 +30,7 @@ BENCHMARKS = {
     "experiments": "experiments",
     "scaleout": "scaleout",
     "learning": "learning",
+    "release": "release",
 }
 """The names `run_bench` accepts, and the module of this package that runs each."""
 

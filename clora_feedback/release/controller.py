@@ -369,8 +369,9 @@ class ReleaseController(BackgroundTask):
             return record.version
 
     async def gate_now(self, agent: str, version: int) -> GateVerdict:
-        """Run the offline gate on `version` against what serves now (operator), recording
-        the verdict; a pass does not start a canary by itself (promote it, or wait).
+        """Run the offline gate on `version` against what serves now (an operator's release
+        of that version), recording the verdict; a pass starts its canary as the loop would
+        (when the canary is on and none runs for the agent), else promotes it.
 
         Raises:
             NotFoundError: unknown agent or version.
@@ -389,4 +390,10 @@ class ReleaseController(BackgroundTask):
                 evidence=verdict.evidence | {"reason": verdict.reason, "by": "operator"},
                 serving=active,
             )  # fmt: skip
+            if verdict.verdict == "passed" and agent not in self._canaries:
+                if self.canary_settings is None:
+                    evidence = {"reason": "passed the gate (operator); canary off"}
+                    await self._promote(agent, version, active, "gate", evidence)
+                else:
+                    await self._start_canary(agent, version, active)
             return verdict
