@@ -57,9 +57,9 @@ def _settings(tmp: Path, model: Path, url: str, bootstrap: str, **trainer: Any) 
         "feedback": {"kafka": {"bootstrap_servers": bootstrap, "group_id": "scaleout"}},
         "trainer": {
             "lease_ttl_s": 3.0, "trigger_interval_s": 1.0, "poll_interval_s": 0.2, "nice": 0,
-            "admission": {"min_batch": 2, "max_batch": 8}, "guard": {"enabled": False},
-            **trainer,
+            "admission": {"min_batch": 2, "max_batch": 8}, **trainer,
         },
+        "release": {"enabled": False},  # published versions serve at once (ownership, not release)
     }  # fmt: skip
 
 

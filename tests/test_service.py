@@ -24,6 +24,7 @@ from clora_feedback.config import (
     EngineConfig,
     FeedbackConfig,
     KafkaConfig,
+    ReleaseConfig,
     Settings,
     TrainerConfig,
 )
@@ -48,6 +49,9 @@ def _settings(model_dir: Path, tmp_path: Path, bootstrap: str | None) -> Setting
         agents=[AgentConfig(name="support")],
         feedback=FeedbackConfig(kafka=KafkaConfig(bootstrap_servers=bootstrap)),
         trainer=TrainerConfig(admission={"min_batch": 3}, poll_interval_s=0.1, lr=1e-2),  # type: ignore[arg-type]
+        # The loop, not its release: version 1 must serve the next completion. The release
+        # path (the default) is tested through the service in test_release_service.py.
+        release=ReleaseConfig(enabled=False),
     )
 
 

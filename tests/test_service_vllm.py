@@ -17,7 +17,13 @@ from conftest import serve_app
 from vllm_fixtures import VLLMServer
 
 from clora_feedback.client import FeedbackClient
-from clora_feedback.config import AgentConfig, EngineConfig, Settings, TrainerConfig
+from clora_feedback.config import (
+    AgentConfig,
+    EngineConfig,
+    ReleaseConfig,
+    Settings,
+    TrainerConfig,
+)
 from clora_feedback.service import build_service
 
 pytestmark = pytest.mark.vllm
@@ -46,6 +52,7 @@ def test_feedback_trains_a_version_that_vllm_serves_next(
         ),
         agents=[AgentConfig(name="support")],
         trainer=TrainerConfig(admission={"min_batch": 3}, poll_interval_s=0.1, lr=1e-2),  # type: ignore[arg-type]
+        release=ReleaseConfig(enabled=False),  # a published version serves the next request
     )
     service = build_service(settings)
     with serve_app(service.app, None) as gw:

@@ -111,9 +111,7 @@ def test_two_gateways_on_one_postgres_database(
 ) -> None:
     base = _settings(tiny_model_dir, tmp_path, None)
     leader = base.model_copy(update={"store_url": postgres_url})
-    trainer = base.trainer.model_copy(
-        update={"enabled": False, "guard": base.trainer.guard.model_copy(update={"enabled": False})}
-    )
+    trainer = base.trainer.model_copy(update={"enabled": False})
     follower_settings = leader.model_copy(
         update={"data_dir": tmp_path / "var2", "trainer": trainer}
     )
