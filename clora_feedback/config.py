@@ -138,6 +138,15 @@ class VLLMEngineConfig(BaseModel):
         "`--max-loras` (in `/metrics`); default `engine.max_loras`. The least recently used "
         "idle name is unloaded to make room.",
     )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM's `--max-cpu-loras`: adapters a server keeps in host memory (at "
+        "least its `--max-loras` GPU slots), passed to a local server; when set, each "
+        "replica keeps this many adapter names loaded (least recently used idle name "
+        "unloaded first), so names beyond the slots swap in from host memory instead of "
+        "being reloaded from disk. None: vLLM's default (`--max-loras`) and `max_loras`.",
+    )
     local: VLLMLocalConfig = Field(
         default_factory=VLLMLocalConfig,
         description="The local vLLM server `clora serve --engine vllm` starts when `urls` is empty.",

@@ -226,10 +226,12 @@ class VLLMEngine:
         cfg = self.config.vllm
         if self.supervisor is not None:
             await self.supervisor.start()
-        fallback = cfg.max_loras or self.config.max_loras
+        fallback = cfg.max_cpu_loras or cfg.max_loras or self.config.max_loras
+        fixed = cfg.max_cpu_loras is not None  # names kept: the configured host cache
         replicas = [
-            Replica(url, self._new_client(url), fallback) for url in self.urls
-        ]  # fmt: skip
+            Replica(url, self._new_client(url), fallback, fixed_max_loras=fixed)
+            for url in self.urls
+        ]
         self._replicas = ReplicaSet(
             replicas,
             on_down=self._fail_flights_on,
@@ -329,7 +331,7 @@ class VLLMEngine:
         if base.max_model_len is not None:
             self._max_len = min(self._max_len, base.max_model_len)
         reported = max_loras_from_metrics(await client.metrics_text())
-        if reported is not None:
+        if reported is not None and not replica.fixed_max_loras:
             replica.max_loras = reported
 
     def _fail_flights_on(self, replica: Replica) -> None:

@@ -80,7 +80,10 @@ class Replica:
     Attributes:
         url: its base URL (the hash key).
         client: its HTTP client.
-        max_loras: most adapter names kept loaded on it.
+        max_loras: most adapter names kept loaded on it (its `--max-cpu-loras` when
+            configured, else its `--max-loras` as it reports them).
+        fixed_max_loras: `max_loras` is configured: what the server reports does not
+            replace it.
         up: answering `/health` and admitted; only up replicas get requests.
         loaded: names loaded on it, least recently used first.
         inflight: requests in flight per name (the base model under "").
@@ -90,6 +93,7 @@ class Replica:
     url: str
     client: ReplicaClient
     max_loras: int
+    fixed_max_loras: bool = False
     up: bool = False
     loaded: OrderedDict[str, ServedName] = field(default_factory=OrderedDict)
     inflight: Counter[str] = field(default_factory=Counter)
@@ -317,7 +321,7 @@ class ReplicaSet:
     async def _reconcile(self, replica: Replica) -> None:
         """Adopt the names still loaded there that are wanted; unload our unwanted ones."""
         reported = max_loras_from_metrics(await replica.client.metrics_text())
-        if reported is not None:
+        if reported is not None and not replica.fixed_max_loras:
             replica.max_loras = reported
         replica.loaded.clear()
         for entry in await replica.client.models():

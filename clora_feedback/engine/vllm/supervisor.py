@@ -111,6 +111,8 @@ class VLLMSupervisor:
             # offset") once waiting prompts overflow `--max-num-batched-tokens` (2048).
             # Without chunked prefill a prompt is scheduled whole or waits.
             command.append(NO_CHUNKED_PREFILL)
+        if cfg.vllm.max_cpu_loras is not None:
+            command += ["--max-cpu-loras", str(cfg.vllm.max_cpu_loras)]
         if self.served_model_name:
             command += ["--served-model-name", self.served_model_name]
         return [*command, *local.extra_args]
