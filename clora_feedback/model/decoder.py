@@ -61,6 +61,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sin table [P, D] with its first half negated, for `rope_signed`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` with a pre-signed sin (`signed_sin`): rotate_half(x) * sin is
+    roll(x, D/2) * sin_signed, one roll instead of two slices, a negation and a cat
+    (forward and backward), with the same values."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), sin_signed)
+
+
 def project(
     base: BaseWeights, x: torch.Tensor, layer: int, group: str, lora: LoRAUpdate | None
 ) -> torch.Tensor:
@@ -145,8 +158,8 @@ def gather_logprobs(
     In chunks of `chunk` rows, to bound the [N, V] logits memory.
     """
     out = []
-    for start in range(0, hidden.shape[0], chunk):
-        logits = (hidden[start : start + chunk] @ lm_head.t()).float()
-        lp = torch.log_softmax(logits, dim=-1)
-        out.append(lp.gather(1, targets[start : start + chunk].unsqueeze(1)).squeeze(1))
+    # split, not slices: its backward is one cat, not a zero-filled [N, hidden] per chunk
+    for part, wanted in zip(hidden.split(chunk), targets.split(chunk), strict=True):
+        lp = torch.log_softmax((part @ lm_head.t()).float(), dim=-1)
+        out.append(lp.gather(1, wanted.unsqueeze(1)).squeeze(1))
     return torch.cat(out) if out else hidden.new_zeros(0)

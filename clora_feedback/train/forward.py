@@ -1,21 +1,30 @@
 """Differentiable forward pass for training: base weights frozen, LoRA rows per agent.
 
-The layers are `clora_feedback.model.decoder`'s, over a `BaseWeights` that the
-composition root may share with the serving engine (no second copy of the
-model) or load on its own (see `policy`). Several agents can share one forward/backward: row b uses agent
-`row_agent[b]`'s parameters, and each agent's gradient lands in its own flat
-buffer. The base projection runs once over all rows; each agent's LoRA update
-runs over its own run of consecutive rows as two plain matmuls
-(`x @ A^T`, then `@ B^T`), the per-row multi-LoRA computation grouped by
-adapter, so no row gathers (or, backwards, scatters) a copy of its weights.
+The layer math is `clora_feedback.model.decoder`'s (its `forward_hidden` is the
+reference this pass is checked against, with PEFT as the oracle), over a
+`BaseWeights` that the composition root may share with the serving engine (no
+second copy of the model) or load on its own (see `policy`). Several agents can
+share one forward/backward: row b uses agent `row_agent[b]`'s parameters, and
+each agent's gradient lands in its own flat buffer.
+
+Laid out for a CPU, where a step is a few hundred tokens and every op's fixed
+cost counts: all tokens of the pass form one [N, hidden] stream (`_Stream`:
+the shared prompt prefix once per agent, then every row's own tokens), so each
+projection, norm and MLP is one op over all of them (one bigger GEMM per
+weight); only attention sees rows. Each fused projection group's LoRA is two
+matmuls per agent over all the group's members (`_GroupFactors`: A stacked,
+B block-diagonal), added to the base output by `addmm`; an agent's tokens are
+contiguous segments of the stream, so no row gathers (or, backwards, scatters)
+a copy of its weights. Splits instead of slices, RoPE by one roll: no op's
+backward allocates a zero-filled full-size gradient.
 
 With `lora=None` the adapter is disabled and the pass computes the base
 model: the reference policy for the KL term, with no second model in memory.
 
 Precision: the pass computes in the base weights' dtype (the trainer's
-compute dtype, see `policy`). In bf16 the activations and the base GEMMs are
-bf16, each LoRA factor is cast from its fp32 master at each use (so its
-gradient comes back through the cast and accumulates in fp32), and the final
+compute dtype, see `policy`). In bf16 the activations, the base GEMMs and the
+LoRA matmuls are bf16; each agent's fp32 master is cast once per pass (its
+gradient comes back through that cast and accumulates in fp32), and the final
 norm, the vocabulary projection and the log-softmax run in fp32 on an fp32
 copy of the head (`head`): a bf16 logit of magnitude 20 is only good to
 0.06, which an importance ratio would see as noise.
@@ -26,24 +35,15 @@ Not here: losses, optimizer, batching policy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from clora_feedback.lora.weights import module_key
 from clora_feedback.model.base import GROUPS, BaseWeights
-from clora_feedback.model.decoder import (
-    LoRAUpdate,
-    attention_inputs,
-    attention_output,
-    gather_logprobs,
-    mlp_block,
-    rms_norm,
-)
+from clora_feedback.model.decoder import gather_logprobs, rms_norm, rope_signed, signed_sin
 from clora_feedback.train.state import LoRALayout
-
-_MEMBERS = dict(GROUPS)
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,6 @@ class TrainLoRA:
     layouts: list[LoRALayout]
     params: list[torch.Tensor]
     row_agent: torch.Tensor
-    _views: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        # One split per agent per pass: cheap views, and one gradient concatenation on the way back.
-        self._views = [
-            layout.split_views(flat) for layout, flat in zip(self.layouts, self.params, strict=True)
-        ]
 
     @property
     def runs(self) -> list[tuple[int, int, int]]:
@@ -114,51 +107,81 @@ class TrainLoRA:
                 out.append((agent, row, row + 1))
         return out
 
-    def delta(
-        self, key: str, x: torch.Tensor, runs: list[tuple[int, int, int]]
-    ) -> torch.Tensor | None:
-        """The LoRA update of projection `key` for x [B, T, in] -> [B, T, out]; None if no agent has it."""
-        parts: list[torch.Tensor | None] = []
-        for agent, start, end in runs:
-            pair = self._views[agent].get(key)
-            if pair is None:
-                parts.append(None)
-                continue
-            a, b = pair  # [r, in], [out, r]
-            shrunk = x[start:end] @ a.to(x.dtype).t() * self.layouts[agent].scaling  # [n, T, r]
-            parts.append(shrunk @ b.to(x.dtype).t())
-        present = [p for p in parts if p is not None]
-        if not present:
-            return None
-        out_features = present[0].shape[-1]
-        filled = [
-            p if p is not None else x.new_zeros(end - start, x.shape[1], out_features)
-            for p, (_, start, end) in zip(parts, runs, strict=True)
-        ]
-        return torch.cat(filled) if len(filled) > 1 else filled[0]
+    def group_factors(self, base: BaseWeights) -> list[dict[tuple[int, str], _GroupFactors]]:
+        """Per agent, each fused projection group's factors in the compute dtype (see
+        `_GroupFactors`), made once per pass from the fp32 masters with one cast each."""
+        shapes = base.config.projection_shapes()
+        out = []
+        for layout, flat in zip(self.layouts, self.params, strict=True):
+            # One cast of the whole flat master per pass (not one per factor and use): its
+            # gradient comes back through this cast and accumulates in the fp32 leaf.
+            views = layout.split_views(flat if flat.dtype == base.dtype else flat.to(base.dtype))
+            factors = {}
+            for layer in range(base.config.num_layers):
+                for group, members in GROUPS:
+                    made = _GroupFactors.build(
+                        [(views.get(module_key(layer, m)), shapes[m][1]) for m in members],
+                        layout.scaling,
+                    )
+                    if made is not None:
+                        factors[(layer, group)] = made
+            out.append(factors)
+        return out
 
 
 @dataclass(frozen=True)
-class _RunsLoRA:
-    """`TrainLoRA` bound to the row runs of one stream (a `LoRAUpdate` for the decoder)."""
+class _GroupFactors:
+    """One agent's LoRA on one fused projection group, as two matmuls over all its members.
 
-    lora: TrainLoRA
-    runs: list[tuple[int, int, int]]
-    shapes: dict[str, tuple[int, int]]
+    Attributes:
+        a: [sum r_j, in] the members' A stacked (members without LoRA contribute no rows).
+        bt: [sum r_j, out_group] the block-diagonal B^T, alpha/r folded in (member j's
+            output columns read only member j's ranks; zero columns for members without LoRA).
+    """
 
-    def delta(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor | None:
-        parts: list[torch.Tensor] = []
-        any_delta = False
-        for name in _MEMBERS[group]:
-            delta = self.lora.delta(module_key(layer, name), x, self.runs)
-            if delta is None:
-                parts.append(x.new_zeros(*x.shape[:-1], self.shapes[name][1]))
-            else:
-                parts.append(delta)
-                any_delta = True
-        if not any_delta:
+    a: torch.Tensor
+    bt: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, members: list[tuple[tuple[torch.Tensor, torch.Tensor] | None, int]], scaling: float
+    ) -> _GroupFactors | None:
+        """From (A [r, in], B [out, r]) or None, and the output width, of each member."""
+        present = [pair for pair, _ in members if pair is not None]
+        if not present:
             return None
-        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+        a = torch.cat([pa for pa, _ in present]) if len(present) > 1 else present[0][0]
+        like = present[0][1]
+        blocks = [pair[1] if pair is not None else like.new_zeros(out, 0) for pair, out in members]
+        b = torch.block_diag(*blocks) if len(blocks) > 1 else blocks[0]
+        return cls(a, (b * scaling if scaling != 1.0 else b).t())
+
+
+@dataclass(frozen=True)
+class _StreamLoRA:
+    """The LoRA of a token stream: which agent owns each segment of its tokens.
+
+    Attributes:
+        factors: per agent, from `TrainLoRA.group_factors`.
+        segments: (agent, first token, end token), covering the stream in order.
+    """
+
+    factors: list[dict[tuple[int, str], _GroupFactors]]
+    segments: list[tuple[int, int, int]]
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
+        """y [N, out] plus each token's LoRA update of x [N, in] (a new tensor)."""
+        if len(self.segments) == 1:  # one agent owns every token: one fused matmul pair
+            f = self.factors[self.segments[0][0]].get((layer, group))
+            return y if f is None else torch.addmm(y, x @ f.a.t(), f.bt)
+        parts = []
+        sizes = [end - start for _, start, end in self.segments]
+        for (agent, _, _), xs in zip(self.segments, x.split(sizes), strict=True):
+            f = self.factors[agent].get((layer, group))
+            parts.append(
+                xs.new_zeros(xs.shape[0], y.shape[1]) if f is None else xs @ f.a.t() @ f.bt
+            )
+        return y + torch.cat(parts)
 
 
 MIN_SHARED_PREFIX = 16
@@ -238,52 +261,130 @@ def scored_hidden(
     """The fp32 final-norm hidden states [N, hidden] of the scored positions and their
     [N] targets (the pass of `token_logprobs` before the vocabulary projection)."""
     ids = batch.input_ids.to(base.device)
-    b, t = ids.shape
-    runs = lora.runs if lora is not None else [(0, 0, b)]
-    prefix = shared_prefix_len(batch)
-    # One prefix row per agent run; row r of the batch reads prefix row `owner[r]`.
-    prefix_runs = [(agent, i, i + 1) for i, (agent, _, _) in enumerate(runs)]
-    rows_lora, prefix_lora = _bind(base, lora, runs), _bind(base, lora, prefix_runs)
-    owner = torch.tensor(
-        [i for i, (_, start, end) in enumerate(runs) for _ in range(start, end)], device=ids.device
+    runs = lora.runs if lora is not None else [(0, 0, ids.shape[0])]
+    stream = _Stream.build(ids, shared_prefix_len(batch), runs)
+    c = base.config
+    rows_lora = (
+        _StreamLoRA(lora.group_factors(base), stream.segments(runs)) if lora is not None else None
     )
-    h_p = base.embed[ids[:1, :prefix]].expand(len(runs), prefix, -1)
-    h = base.embed[ids[:, prefix:]]
-    pos_p = torch.arange(prefix, device=ids.device).unsqueeze(0).expand(len(runs), prefix)
-    pos = torch.arange(prefix, t, device=ids.device).unsqueeze(0).expand(b, t - prefix)
-    allowed: torch.Tensor | None = None
-    if prefix:
-        # Rest position i sees every prefix position and rest positions <= i (right padding
-        # is never seen by a real token).
-        allowed = torch.ones(t - prefix, t, dtype=torch.bool, device=ids.device)
-        allowed[:, prefix:] = torch.ones(t - prefix, t - prefix, dtype=torch.bool).tril()
-    for i in range(base.config.num_layers):
-        q, k, v = attention_inputs(base, i, h, pos, rows_lora)
-        if allowed is not None:
-            q_p, k_p, v_p = attention_inputs(base, i, h_p, pos_p, prefix_lora)
-            attn_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
-            keys = torch.cat([k_p.index_select(0, owner), k], dim=2)
-            values = torch.cat([v_p.index_select(0, owner), v], dim=2)
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=allowed, enable_gqa=True
-            )
-            h_p = mlp_block(
-                base, i, attention_output(base, i, h_p, attn_p, prefix_lora), prefix_lora
-            )
-        else:
-            # Right padding: real tokens never attend to later (padding) positions when causal.
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        h = mlp_block(base, i, attention_output(base, i, h, attn, rows_lora), rows_lora)
-    mask = batch.mask[:, prefix:].to(base.device)
+    sin_signed = signed_sin(base.sin)
+    cos = base.cos[stream.positions].unsqueeze(1)  # [N, 1, D], once for every layer
+    sin = sin_signed[stream.positions].unsqueeze(1)
+    qk_width, v_width = (c.num_heads + c.num_kv_heads) * c.head_dim, c.num_kv_heads * c.head_dim
+    inter = c.intermediate_size
+    h = base.embed[stream.tokens]  # [N, hidden]
+    for i, layer in enumerate(base.layers):
+        x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
+        qk, v = _project(base, x, i, "qkv", rows_lora).split([qk_width, v_width], dim=-1)
+        qk = rope_signed(qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+        h = h + _project(base, stream.attend(base, qk, v), i, "o", rows_lora)
+        x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+        gate, up = _project(base, x, i, "gate_up", rows_lora).split([inter, inter], dim=-1)
+        h = h + _project(base, F.silu(gate) * up, i, "down", rows_lora)
     # The last norm in fp32 (weights and output): the head and the log-softmax read it.
-    scored = rms_norm(h[mask].float(), base.final_norm.float(), base.config.rms_norm_eps)
-    targets = batch.targets[:, prefix:].to(base.device)[mask]
+    scored = h.index_select(0, stream.scored(batch.mask.to(base.device)))
+    scored = rms_norm(scored.float(), base.final_norm.float(), c.rms_norm_eps)
+    targets = batch.targets[:, stream.prefix :].to(base.device)[batch.mask[:, stream.prefix :]]
     return scored, targets
 
 
-def _bind(
-    base: BaseWeights, lora: TrainLoRA | None, runs: list[tuple[int, int, int]]
-) -> LoRAUpdate | None:
-    if lora is None:
-        return None
-    return _RunsLoRA(lora, runs, base.config.projection_shapes())
+def _project(
+    base: BaseWeights, x: torch.Tensor, layer: int, group: str, lora: _StreamLoRA | None
+) -> torch.Tensor:
+    """x [N, in] -> [N, out]: fused base projection `group` of `layer` plus the tokens' LoRA."""
+    y = F.linear(x, base.layers[layer][group], base.bias(layer, group))
+    return y if lora is None else lora.add(y, x, layer, group)
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """The pass's tokens as one [N] stream: every projection, norm and MLP runs once over
+    all of them (one bigger GEMM per weight); only attention sees rows.
+
+    With a shared prefix of P tokens (`shared_prefix_len`), the stream holds one copy of
+    the prefix per agent run (R runs), then each of the B rows' remaining T - P tokens:
+    [R * P prefix tokens | B * (T - P) row tokens]; without one, the B rows' T tokens.
+
+    Attributes:
+        tokens, positions: [N] token ids and their positions.
+        rows, width: B rows of `width` = T - P tokens each (the rows part of the stream).
+        prefix: P (0: no shared prefix).
+        copies: R prefix copies (one per agent run; 0 without a shared prefix).
+        owner: [B] the prefix copy (run) each row attends to.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    rows: int
+    width: int
+    prefix: int
+    copies: int
+    owner: torch.Tensor
+
+    @classmethod
+    def build(cls, ids: torch.Tensor, prefix: int, runs: list[tuple[int, int, int]]) -> _Stream:
+        b, t = ids.shape
+        copies = len(runs) if prefix else 0
+        dev = ids.device
+        tokens = torch.cat([ids[0, :prefix].repeat(copies), ids[:, prefix:].reshape(-1)])
+        positions = torch.cat(
+            [
+                torch.arange(prefix, device=dev).repeat(copies),
+                torch.arange(prefix, t, device=dev).repeat(b),
+            ]
+        )
+        owner = torch.tensor(
+            [i for i, (_, start, end) in enumerate(runs) for _ in range(start, end)], device=dev
+        )
+        return cls(tokens, positions, b, t - prefix, prefix, copies, owner)
+
+    def segments(self, runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """(agent, first token, end token) of the stream's tokens, adjacent ones merged."""
+        p, w, first_row = self.prefix, self.width, self.copies * self.prefix
+        spans = [(agent, i * p, (i + 1) * p) for i, (agent, _, _) in enumerate(runs)] if p else []
+        spans += [(agent, first_row + s * w, first_row + e * w) for agent, s, e in runs]
+        merged: list[tuple[int, int, int]] = []
+        for agent, start, end in spans:
+            if merged and merged[-1][0] == agent and merged[-1][2] == start:
+                merged[-1] = (agent, merged[-1][1], end)
+            else:
+                merged.append((agent, start, end))
+        return merged
+
+    def attend(self, base: BaseWeights, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """qk [N, H+K, D] (RoPE applied), v [N, K*D] -> [N, H*D] attention output.
+
+        Each prefix copy attends causally to itself; each row attends to its run's
+        prefix copy and causally to its own tokens (right padding is never seen by a
+        real token).
+        """
+        c = base.config
+        heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        q, k = qk.split([heads, kv], dim=1)
+        v = v.view(-1, kv, d)
+
+        # [n * len, heads, D] -> [n, heads, len, D]
+        def rows_of(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
+            return x.view(n, length, x.shape[1], d).transpose(1, 2)
+
+        def back(x: torch.Tensor) -> torch.Tensor:  # [n, H, len, D] -> [n*len, H*D]
+            return x.transpose(1, 2).reshape(-1, heads * d)
+
+        if not self.prefix:
+            q, k, v = (rows_of(x, self.rows, self.width) for x in (q, k, v))
+            return back(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        n, p, w = self.copies, self.prefix, self.width
+        (q_p, q_r), (k_p, k_r), (v_p, v_r) = (x.split([n * p, self.rows * w]) for x in (q, k, v))
+        q_p, k_p, v_p = (rows_of(x, n, p) for x in (q_p, k_p, v_p))
+        q_r, k_r, v_r = (rows_of(x, self.rows, w) for x in (q_r, k_r, v_r))
+        attn_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
+        keys = torch.cat([k_p.index_select(0, self.owner), k_r], dim=2)
+        values = torch.cat([v_p.index_select(0, self.owner), v_r], dim=2)
+        allowed = torch.ones(w, p + w, dtype=torch.bool, device=q.device).tril(p)
+        attn = F.scaled_dot_product_attention(q_r, keys, values, attn_mask=allowed, enable_gqa=True)
+        return torch.cat([back(attn_p), back(attn)])
+
+    def scored(self, mask: torch.Tensor) -> torch.Tensor:
+        """Stream index of each scored position of `mask` [B, T] (row-major)."""
+        flat = mask[:, self.prefix :].reshape(-1).nonzero().squeeze(1)
+        return flat + self.copies * self.prefix

@@ -1,0 +1,79 @@
+"""The training pass's op budget: what a bf16 step pays outside the big GEMMs.
+
+On a CPU a swap step is a few hundred tokens, so every op's fixed cost and
+every extra pass over an activation shows up next to the GEMMs (a bf16
+elementwise op also costs about twice its fp32 twin). Counted on the tiny
+model with a dispatch mode, forward and backward of one pass: each agent's
+fp32 master is cast to bf16 once per pass (not once per factor and use), no
+backward allocates a zero-filled full-size gradient (`slice_backward`), and
+the matmuls stay at one base GEMM plus one fused LoRA pair per projection
+group (forward and backward), whatever the number of members a group fuses.
+The values themselves are checked elsewhere (against PEFT and the fp32 pass).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from clora_feedback.train.forward import PackedBatch, TrainLoRA
+from clora_feedback.train.policy import DecoderPolicy
+from clora_feedback.train.state import LoRALayout, init_lora
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class _Ops(TorchDispatchMode):
+    """Counts aten ops by name, and the shapes of the tensors cast fp32 -> bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.downcasts: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name == "_to_copy" and args[0].dtype == torch.float32:
+            if kwargs.get("dtype") == torch.bfloat16:
+                self.downcasts.append(tuple(args[0].shape))
+        return func(*args, **kwargs)
+
+
+def _count(model_dir: Path, dtype: torch.dtype) -> tuple[_Ops, LoRALayout, int]:
+    policy = DecoderPolicy.from_dir(model_dir, max_lora_rank=8, target_modules=ALL, dtype=dtype)
+    layout = LoRALayout.build(policy.lora_limits, 8, 16.0, ALL)
+    leaf = init_lora(layout, seed=0).requires_grad_(True)
+    system = list(range(3, 23))  # a shared prefix: both streams of the pass run
+    # 9 scored tokens: no activation or gradient shares a LoRA factor's shape
+    packed = PackedBatch.build([([*system, 30 + i], [40 + i, 41, 42]) for i in range(3)])
+    lora = TrainLoRA([layout], [leaf], torch.zeros(3, dtype=torch.long))
+    with _Ops() as ops:
+        policy.token_logprobs(packed, lora).sum().backward()
+    assert leaf.grad is not None and float(leaf.grad.abs().max()) > 0
+    return ops, layout, policy.base.config.num_layers
+
+
+def test_bf16_pass_casts_each_master_once(tiny_model_dir: Path) -> None:
+    ops, layout, _ = _count(tiny_model_dir, torch.bfloat16)
+    factor_shapes = {shape for _, _, sa, _, sb in layout.entries for shape in (sa, sb)}
+    assert ops.downcasts.count((layout.numel,)) == 1
+    assert not factor_shapes & set(ops.downcasts), "a LoRA factor was cast on its own"
+
+
+def test_pass_has_no_zero_filled_gradients_and_one_matmul_pair_per_group(
+    tiny_model_dir: Path,
+) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        counted, _, layers = _count(tiny_model_dir, dtype)
+        ops = counted.ops
+        assert ops["slice_backward"] == 0
+        # Per layer and group: base GEMM + LoRA shrink + expand forward; input gradient of
+        # the base, and for each LoRA matmul its two gradients, backward: 3 + 1 + 4 = 8.
+        matmuls = ops["mm"] + ops["addmm"] + ops["bmm"] + ops["linear"]
+        assert matmuls <= 8 * 4 * layers + 4, dict(ops)
