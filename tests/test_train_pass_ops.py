@@ -39,9 +39,9 @@ class _Ops(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         self.ops[name] += 1
-        if name == "_to_copy" and args[0].dtype == torch.float32:
-            if kwargs.get("dtype") == torch.bfloat16:
-                self.downcasts.append(tuple(args[0].shape))
+        cast = name == "_to_copy" and kwargs.get("dtype") == torch.bfloat16
+        if cast and args[0].dtype == torch.float32:
+            self.downcasts.append(tuple(args[0].shape))
         return func(*args, **kwargs)
 
 
