@@ -61,6 +61,7 @@ def test_states_move_by_compare_and_set_and_keep_every_stage(registry: AdapterRe
     assert exc.value.code == "canary_running"
     assert book.record("support", 2, "aborted", stage="canary", evidence={"p": 0.001})
     assert book.rejected("support", {1, 2, 3}) == {2}
+    assert book.kept("support") == {3}  # passed, waiting: retention keeps it
     assert registry.active("support").version == 1  # type: ignore[union-attr]
     assert book.counts()["aborted"] == 1 and book.counts()["passed"] == 1
     with pytest.raises(NotFoundError):

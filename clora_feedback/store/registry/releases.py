@@ -130,6 +130,17 @@ class ReleaseBook:
             ).fetchone()
         return None if row is None else _record(row)
 
+    def kept(self, agent: str) -> set[int]:
+        """Versions retention must keep for the release path: waiting for the gate, passed, or a
+        live canary (`store.retention`'s `keep` hook)."""
+        with self._db.read() as conn:
+            found = conn.execute(
+                "SELECT version FROM releases WHERE agent = ? "
+                "AND state IN ('candidate', 'passed', 'canary')",
+                (agent,),
+            ).fetchall()
+        return {int(r[0]) for r in found}
+
     def rejected(self, agent: str, versions: set[int]) -> set[int]:
         """Which of `versions` are rejected (`failed` or `aborted`)."""
         if not versions:
