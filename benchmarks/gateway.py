@@ -71,6 +71,7 @@ async def gateway_overhead(
     import httpx
 
     from clora_feedback.gateway.app import create_app
+    from clora_feedback.service import gateway_deployer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     from clora_feedback.store.trajectories import AsyncTrajectoryStore
@@ -81,7 +82,9 @@ async def gateway_overhead(
         engine=engine.config,
         agents=[AgentConfig(name=AGENT)],
     )
-    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+    app = create_app(
+        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=gateway_deployer(settings, engine)
+    )
     prompt_ids = list(engine.tokenizer.encode(prompt_text))
     body = {"model": AGENT, "prompt": prompt_text, "max_tokens": 1, "temperature": 0}
     http_ms: list[float] = []

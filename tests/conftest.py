@@ -96,6 +96,7 @@ def run_gateway(
 
     from clora_feedback.engine.embedded import EmbeddedEngine
     from clora_feedback.gateway.app import create_app
+    from clora_feedback.service import gateway_deployer
     from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
     engine_config = EngineConfig(
@@ -103,7 +104,10 @@ def run_gateway(
     )
     config = Settings(data_dir=data_dir, engine=engine_config, **settings)
     eng = EmbeddedEngine(model_dir, engine_config, model_name="tiny-base")
-    app = create_app(config, eng, AsyncTrajectoryStore(config.trajectory_db))
+    app = create_app(
+        config, eng, AsyncTrajectoryStore(config.trajectory_db),
+        deployer=gateway_deployer(config, eng),
+    )  # fmt: skip
     with serve_app(app, eng) as gateway:
         yield gateway
 

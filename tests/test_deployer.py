@@ -23,7 +23,7 @@ from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
-from clora_feedback.service import _register_initial
+from clora_feedback.service import register_initial
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.versions import AdapterRef
 
@@ -199,7 +199,7 @@ async def test_unloaded_adapter_stays_unloaded_after_restart(
     path = tmp_path / "initial"
     save_peft_adapter(_weights(engine, 3), path, base_model="tiny-base")
     limits = engine.lora_limits
-    _register_initial(registry, "sticky", path, "tiny-base", limits)
+    register_initial(registry, "sticky", path, "tiny-base", limits)
     deployer = Deployer(engine, registry)
     agents = AgentRegistry(engine, deployer)
     await deployer.start()
@@ -208,7 +208,7 @@ async def test_unloaded_adapter_stays_unloaded_after_restart(
     await agents.unload_adapter("sticky")
     await deployer.stop()
     # Restart: the configured adapter_path is not imported again, nothing is reinstalled.
-    _register_initial(registry, "sticky", path, "tiny-base", limits)
+    register_initial(registry, "sticky", path, "tiny-base", limits)
     restarted = Deployer(engine, registry)
     agents = AgentRegistry(engine, restarted)
     async with restarted:

@@ -342,6 +342,7 @@ def test_unreachable_broker_is_retriable() -> None:
 def test_completion_from_the_gateway_gets_its_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
     from clora_feedback.engine.embedded import EmbeddedEngine
     from clora_feedback.gateway.app import create_app
+    from clora_feedback.service import gateway_deployer
     from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
     engine_config = EngineConfig(model=str(tiny_model_dir), max_model_len=512, num_threads=1)
@@ -349,7 +350,9 @@ def test_completion_from_the_gateway_gets_its_reward(tiny_model_dir: Path, tmp_p
         data_dir=tmp_path, engine=engine_config, agents=[{"name": "support", "api_keys": ["k"]}]
     )
     engine = EmbeddedEngine(tiny_model_dir, engine_config, model_name="tiny-base")
-    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+    app = create_app(
+        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=gateway_deployer(settings, engine)
+    )
     feedback = FeedbackStore(
         settings.trajectory_db,
         trajectories=TrajectoryStore(settings.trajectory_db),

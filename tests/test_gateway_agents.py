@@ -68,9 +68,8 @@ async def test_routing_of_base_configured_and_unknown_models(
     engine: EmbeddedEngine, deployer: Deployer, adapter_dir: Path
 ) -> None:
     registry = AgentRegistry(engine, deployer)
-    await registry.start(
-        [AgentConfig(name="plain"), AgentConfig(name="tuned", adapter_path=adapter_dir)]
-    )
+    await registry.start([AgentConfig(name="plain"), AgentConfig(name="tuned")])
+    await registry.load_adapter("tuned", adapter_dir)
     try:
         base = registry.resolve("base")
         assert (base.agent, base.engine_agent, base.adapter_version) == (None, None, 0)

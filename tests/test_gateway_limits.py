@@ -45,12 +45,15 @@ def production_server(model_dir: Path, data_dir: Path, **settings: Any) -> Itera
     from clora_feedback.engine.embedded import EmbeddedEngine
     from clora_feedback.gateway.app import create_app
     from clora_feedback.gateway.server import uvicorn_config
+    from clora_feedback.service import gateway_deployer
     from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
     engine_config = EngineConfig(model=str(model_dir), max_model_len=2048, num_threads=1)
     config = Settings(data_dir=data_dir, engine=engine_config, **settings)
     engine = EmbeddedEngine(model_dir, engine_config, model_name="tiny-base")
-    app = create_app(config, engine, AsyncTrajectoryStore(config.trajectory_db))
+    app = create_app(
+        config, engine, AsyncTrajectoryStore(config.trajectory_db), deployer=gateway_deployer(config, engine)
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

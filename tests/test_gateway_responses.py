@@ -446,6 +446,7 @@ def test_feedback_naming_the_response_joins_its_trajectory(
     from clora_feedback.feedback.rewards import DefaultRewardPolicy
     from clora_feedback.feedback.store import FeedbackStore
     from clora_feedback.gateway.app import create_app
+    from clora_feedback.service import gateway_deployer
     from clora_feedback.gateway.feedback import build_feedback_router
     from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryStore
 
@@ -454,7 +455,12 @@ def test_feedback_naming_the_response_joins_its_trajectory(
         data_dir=tmp_path, engine=engine_config, agents=[{"name": "support", "api_keys": ["k"]}]
     )
     engine = EmbeddedEngine(tiny_model_dir, engine_config, model_name="tiny-base")
-    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+    app = create_app(
+        settings,
+        engine,
+        AsyncTrajectoryStore(settings.trajectory_db),
+        deployer=gateway_deployer(settings, engine),
+    )
     feedback = FeedbackStore(
         settings.trajectory_db,
         trajectories=TrajectoryStore(settings.trajectory_db),

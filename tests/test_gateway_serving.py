@@ -197,12 +197,15 @@ def test_the_gateway_follows_the_engines_capabilities(tiny_model_dir: Path, tmp_
     from clora_feedback.config import EngineConfig, Settings
     from clora_feedback.engine.embedded import EmbeddedEngine
     from clora_feedback.gateway.app import create_app
+    from clora_feedback.service import gateway_deployer
     from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=2048, num_threads=1)
     settings = Settings(data_dir=tmp_path, engine=config, agents=[{"name": "support"}])
     engine = _NarrowEngine(EmbeddedEngine(tiny_model_dir, config, model_name="tiny-base"))
-    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+    app = create_app(
+        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=gateway_deployer(settings, engine)
+    )
     tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
     with serve_app(app, engine) as gateway:
         client = gateway.openai()

@@ -49,6 +49,7 @@ def vllm_gateway(vllm_server: VLLMServer, tmp_path: Path) -> Iterator[GatewaySer
     from conftest import serve_app
 
     from clora_feedback.gateway.app import create_app
+    from clora_feedback.service import gateway_deployer
     from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
     config = EngineConfig(
@@ -67,7 +68,9 @@ def vllm_gateway(vllm_server: VLLMServer, tmp_path: Path) -> Iterator[GatewaySer
         engine=config,
         agents=[{"name": "support", "adapter_path": str(adapter)}],
     )
-    app = create_app(settings, engine, AsyncTrajectoryStore(settings.trajectory_db))
+    app = create_app(
+        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=gateway_deployer(settings, engine)
+    )
     with serve_app(app, engine) as gateway:
         yield gateway
 

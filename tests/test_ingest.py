@@ -169,11 +169,12 @@ async def test_kafka_dead_letters_an_event_over_the_parked_limit(
 async def test_pipeline_dead_letters_both_paths_to_the_topic(
     tmp_path: Path, feedback_store: FeedbackStore
 ) -> None:
-    config = FeedbackConfig(park_ttl_s=0.3, kafka=KafkaConfig(embedded_broker=True))
+    config = FeedbackConfig(
+        park_ttl_s=0.3, rejoin_interval_s=0.1, kafka=KafkaConfig(embedded_broker=True)
+    )
     pipeline = FeedbackPipeline(
-        config, feedback_store, lambda: {"support"}, broker_dir=tmp_path / "kafka",
-        rejoin_interval_s=0.1,
-    )  # fmt: skip
+        config, feedback_store, lambda: {"support"}, broker_dir=tmp_path / "kafka"
+    )
     await pipeline.start()
     try:
         assert pipeline.broker is not None and pipeline.producer is not None

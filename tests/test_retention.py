@@ -27,6 +27,7 @@ from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.gateway.app import create_app
 from clora_feedback.schemas.feedback import Reward
+from clora_feedback.service import gateway_deployer
 from clora_feedback.store.artifact import MANIFEST_NAME, payload_names
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.retention import Retention
@@ -131,7 +132,9 @@ def test_delete_route_is_admin_only_and_documented(tmp_path: Path, tiny_model_di
     )  # fmt: skip
     engine = EmbeddedEngine(tiny_model_dir, config, model_name="tiny-base")
     store = AsyncTrajectoryStore(settings.trajectory_db)
-    app = create_app(settings, engine, store)
+    app = create_app(
+        settings, engine, store, deployer=gateway_deployer(settings, engine)
+    )
     with TestClient(app) as client:
         now = time.time()
         for i, conversation in enumerate(["k1", "k1", "k2"]):

@@ -230,7 +230,7 @@ def test_refuses_a_non_empty_target(
         before = conn.execute("SELECT count(*) FROM event_targets").fetchone()
     assert _migrate(settings, postgres_url, capsys)[0] == 1
     with pytest.raises(ConflictError) as refused:
-        from clora_feedback.cli.store import store_parts
+        from clora_feedback.service.maintenance import store_parts
 
         migrate_to_postgres(store_parts(settings), postgres_url)
     assert refused.value.code == "target_not_empty"
@@ -279,7 +279,7 @@ def test_refuses_an_adapters_dir_without_the_versions(
 def test_target_must_be_postgres(
     sqlite_data: tuple[Settings, dict[str, Any]], tmp_path: Path
 ) -> None:
-    from clora_feedback.cli.store import store_parts
+    from clora_feedback.service.maintenance import store_parts
 
     with pytest.raises(ConfigError, match="postgresql://"):
         migrate_to_postgres(store_parts(sqlite_data[0]), str(tmp_path / "x.db"))

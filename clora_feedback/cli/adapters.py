@@ -176,24 +176,10 @@ def _prune(args: argparse.Namespace) -> int:
     """One retention pass on the settings' stores (see the module docstring)."""
     from clora_feedback.config import load_settings
     from clora_feedback.errors import CloraError
-    from clora_feedback.store.registry import AdapterRegistry
-    from clora_feedback.store.retention import Retention
-    from clora_feedback.store.trajectories import TrajectoryStore
+    from clora_feedback.service.maintenance import prune_once
 
-    settings = load_settings(args.config)
-    config = settings.retention
-    if args.keep_last is not None:
-        config = config.model_copy(update={"keep_last": args.keep_last})
     try:
-        with AdapterRegistry(settings.adapters_dir, settings.registry_db_url) as registry:
-            trajectories = None
-            if config.trajectory_ttl_s is not None:
-                trajectories = TrajectoryStore(settings.trajectory_db_url)
-            try:
-                report = Retention(registry, config, trajectories=trajectories).run_once()
-            finally:
-                if trajectories is not None:
-                    trajectories.close()
+        report = prune_once(load_settings(args.config), args.keep_last)
     except CloraError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

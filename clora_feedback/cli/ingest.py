@@ -14,8 +14,9 @@ counters as one JSON line on stdout.
 
 Exit status: 0 after a clean stop, 1 when the consumer failed for good.
 
-Not here: the consumer's semantics (`clora_feedback.feedback.kafka`), the
-ingest component (`clora_feedback.feedback.ingest`), the other commands (`main`).
+Not here: building the worker (`clora_feedback.service.build_ingest_worker`), the
+consumer's semantics (`clora_feedback.feedback.kafka`), the ingest component
+(`clora_feedback.feedback.ingest`), the other commands (`main`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import asyncio
 import json
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the Kafka client and stores load only when the command runs
-    from clora_feedback.config import FeedbackConfig, Settings
-    from clora_feedback.feedback.kafka import ConsumerMetrics, FeedbackConsumer
+if TYPE_CHECKING:  # settings load only when the command runs
+    from clora_feedback.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         description="Consume feedback topics into the feedback store until SIGTERM/SIGINT.",
     )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--db", type=Path, help="SQLite database (trajectories.db)")
+    where.add_argument("--db", type=Path, help="SQLite database (trajectory_db_path)")
     where.add_argument(
         "--store-url",
         help="PostgreSQL store postgresql://user:password@host:port/database "
@@ -57,92 +58,60 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--max-batch", type=int, help="records per transaction (default from settings)")
     p.add_argument("--agents", help="comma-separated accepted agents (default: settings, or any)")
     p.add_argument("--park-ttl-s", type=float, help="parked-event TTL (default from settings)")
-    p.add_argument("--rejoin-interval-s", type=float, default=2.0)
-    p.add_argument("--session-timeout-ms", type=int, default=10_000)
-    p.add_argument("--heartbeat-interval-ms", type=int, default=3_000)
-    p.add_argument("--commit-delay-s", type=float, default=0.0, help="fault injection (tests)")
+    p.add_argument("--rejoin-interval-s", type=float, help="feedback.rejoin_interval_s")
+    p.add_argument("--session-timeout-ms", type=int, help="feedback.kafka.session_timeout_ms")
+    p.add_argument("--heartbeat-interval-ms", type=int, help="feedback.kafka.heartbeat_interval_ms")
+    p.add_argument("--commit-delay-s", type=float, help="feedback.kafka.commit_delay_s (tests)")
     p.set_defaults(func=run_ingest)
 
 
 def run_ingest(args: argparse.Namespace) -> int:
     """Run one consumer; prints its metrics as JSON on exit. Returns the exit status."""
     from clora_feedback.errors import CloraError
+    from clora_feedback.service import build_ingest_worker
 
     try:
-        metrics = asyncio.run(_serve(args))
+        worker = build_ingest_worker(ingest_settings(args))
+        asyncio.run(until_signalled(worker.run))
     except CloraError as exc:
         log.error("feedback consumer failed: %s", exc.message)
         return 1
-    print(json.dumps(metrics.as_dict()), flush=True)
+    print(json.dumps(worker.consumer.metrics.as_dict()), flush=True)
     return 0
 
 
-def feedback_settings(args: argparse.Namespace, settings: Settings) -> FeedbackConfig:
-    """The settings' feedback section with the command-line overrides applied."""
-    feedback = settings.feedback
-    kafka_updates = {
-        k: v
-        for k, v in (
-            ("group_id", args.group_id),
-            ("max_batch", args.max_batch),
-            ("bootstrap_servers", args.bootstrap),
-        )
-        if v is not None
-    }
-    updates: dict[str, object] = {"kafka": feedback.kafka.model_copy(update=kafka_updates)}
-    if args.park_ttl_s is not None:
-        updates["park_ttl_s"] = args.park_ttl_s
-    return feedback.model_copy(update=updates)
-
-
-async def _serve(args: argparse.Namespace) -> ConsumerMetrics:
+def ingest_settings(args: argparse.Namespace) -> Settings:
+    """The settings (file, environment) with this command's flags laid over them."""
     from clora_feedback.config import load_settings
-    from clora_feedback.errors import InvalidRequestError
-    from clora_feedback.feedback.kafka import build_consumer
-    from clora_feedback.feedback.rewards import DefaultRewardPolicy
-    from clora_feedback.feedback.store import FeedbackStore
-    from clora_feedback.store.trajectories import TrajectoryStore
 
-    settings = load_settings(args.config)
-    feedback = feedback_settings(args, settings)
-    bootstrap = feedback.kafka.bootstrap_servers
-    if bootstrap is None:
-        raise InvalidRequestError("no Kafka cluster: give --bootstrap", param="bootstrap")
-    names = (
-        {a for a in args.agents.split(",") if a}
-        if args.agents
-        else {a.name for a in settings.agents}
+    kafka = {
+        "bootstrap_servers": args.bootstrap,
+        "group_id": args.group_id,
+        "max_batch": args.max_batch,
+        "session_timeout_ms": args.session_timeout_ms,
+        "heartbeat_interval_ms": args.heartbeat_interval_ms,
+        "commit_delay_s": args.commit_delay_s,
+    }
+    feedback = {"kafka": kafka, "park_ttl_s": args.park_ttl_s, "rejoin_interval_s": args.rejoin_interval_s}  # fmt: skip
+    agents = [{"name": a} for a in args.agents.split(",") if a] if args.agents else None
+    return load_settings(
+        args.config,
+        store_url=checked_store_url(args.store_url),
+        trajectory_db_path=args.db,
+        feedback=feedback,
+        agents=agents,
     )
-    if args.store_url is not None:  # validated (scheme) like the setting itself
-        settings = settings.model_copy(update={"store_url": _checked_url(args.store_url)})
-    db = args.db if args.db is not None else settings.trajectory_db_url
-    trajectories = TrajectoryStore(db)
-    store = FeedbackStore(db, trajectories=trajectories, policy=DefaultRewardPolicy(feedback))
-    consumer = build_consumer(
-        store,
-        feedback,
-        bootstrap,
-        known_agents=(lambda: names) if names else None,
-        rejoin_interval_s=args.rejoin_interval_s,
-        session_timeout_ms=args.session_timeout_ms,
-        heartbeat_interval_ms=args.heartbeat_interval_ms,
-        commit_delay_s=args.commit_delay_s,
-    )
-    try:
-        await _run_until_signalled(consumer)
-    finally:
-        store.close()
-        trajectories.close()
-    return consumer.metrics
 
 
-def _checked_url(url: str) -> str:
-    """`url` if it is a PostgreSQL URL, by the settings' own rule."""
+def checked_store_url(url: str | None) -> str | None:
+    """`url` if it is a PostgreSQL URL, by the settings' own rule (None: not given)."""
     from pydantic import ValidationError
 
     from clora_feedback.config import Settings
     from clora_feedback.errors import InvalidRequestError
 
+    if url is None:
+        return None
     try:
         checked = Settings(store_url=url).store_url
     except ValidationError as exc:
@@ -153,15 +122,10 @@ def _checked_url(url: str) -> str:
     return checked
 
 
-async def _run_until_signalled(consumer: FeedbackConsumer) -> None:
-    stop_requested = asyncio.Event()
+async def until_signalled(run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """`run(stop)` with `stop` set on SIGTERM or SIGINT (a worker's `run`)."""
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
-    async with consumer:
-        log.info("consuming %s as group %s", ", ".join(consumer.topics), consumer.group_id)
-        run = asyncio.create_task(consumer.run())
-        stopper = asyncio.create_task(stop_requested.wait())
-        await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-    await run  # re-raises what ended the loop, if it was not a stop
+        loop.add_signal_handler(sig, stop.set)
+    await run(stop)

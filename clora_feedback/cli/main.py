@@ -18,19 +18,9 @@ def _serve(args: argparse.Namespace) -> int:
     from clora_feedback.config import load_settings
     from clora_feedback.service import serve
 
-    settings = load_settings(args.config, host=args.host, port=args.port)
-    if args.model:
-        settings.engine.model = args.model
-    if args.engine:
-        settings.engine.kind = args.engine
-    if args.vllm_url:
-        settings.engine.vllm.urls = list(args.vllm_url)
-    vllm = settings.engine.vllm
-    if settings.engine.kind == "vllm" and not vllm.urls:  # start and supervise one locally
-        vllm.local.enabled = True
-        if vllm.local.log_dir is None:
-            vllm.local.log_dir = settings.data_dir / "vllm"
-    serve(settings)
+    vllm = {"urls": list(args.vllm_url)} if args.vllm_url else None
+    engine = {"model": args.model, "kind": args.engine, "vllm": vllm}
+    serve(load_settings(args.config, host=args.host, port=args.port, engine=engine))
     return 0
 
 

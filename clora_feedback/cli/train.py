@@ -17,7 +17,8 @@ guard off) so that only trainer processes train.
 
 Exit status: 0 after a clean stop (leases released, so others take over at once).
 
-Not here: the training itself (`clora_feedback.train.trainer`), the serving roles (`main`).
+Not here: building the worker (`clora_feedback.service.build_trainer_worker`), the training
+itself (`clora_feedback.train.trainer`), the serving roles (`main`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -52,80 +52,22 @@ def add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 def run_train(args: argparse.Namespace) -> int:
     """Run one trainer worker until signalled. Returns the exit status."""
-    from clora_feedback.cli.ingest import _checked_url
+    from clora_feedback.cli.ingest import checked_store_url, until_signalled
     from clora_feedback.config import load_settings
     from clora_feedback.errors import CloraError
+    from clora_feedback.service import build_trainer_worker
 
-    settings = load_settings(args.config)
     try:
-        if args.store_url is not None:
-            settings = settings.model_copy(update={"store_url": _checked_url(args.store_url)})
-        if args.model:
-            settings.engine.model = args.model
-        asyncio.run(_serve(settings, owner=args.owner, guard=not args.no_guard))
+        guard = {"enabled": False} if args.no_guard else None
+        settings = load_settings(
+            args.config,
+            store_url=checked_store_url(args.store_url),
+            engine={"model": args.model},
+            trainer={"lease_owner": args.owner, "guard": guard},
+        )
+        worker = build_trainer_worker(settings)
+        asyncio.run(until_signalled(worker.run))
     except CloraError as exc:
         log.error("trainer failed: %s", exc.message)
         return 1
     return 0
-
-
-async def _serve(settings: object, *, owner: str | None, guard: bool) -> None:
-    from clora_feedback.config import DEFAULT_MODEL, Settings
-    from clora_feedback.feedback.rewards import DefaultRewardPolicy
-    from clora_feedback.feedback.store import FeedbackStore
-    from clora_feedback.lifecycle import AsyncLifecycle
-    from clora_feedback.model.resolve import resolve_model_dir
-    from clora_feedback.service import build_policy
-    from clora_feedback.store.lease import TrainerLeases
-    from clora_feedback.store.provenance import base_identity
-    from clora_feedback.store.registry import AdapterRegistry
-    from clora_feedback.store.trajectories import TrajectoryStore
-    from clora_feedback.train.guard import RegressionGuard
-    from clora_feedback.train.trainer import ContinualTrainer
-
-    assert isinstance(settings, Settings)
-    model_dir = resolve_model_dir(settings.engine.model, settings.model_cache_dir)
-    name = DEFAULT_MODEL if settings.engine.model == DEFAULT_MODEL else model_dir.name
-    rewards = DefaultRewardPolicy(settings.feedback)
-    trajectories = TrajectoryStore(settings.trajectory_db_url)
-    feedback = FeedbackStore(settings.trajectory_db_url, trajectories=trajectories, policy=rewards)
-    registry = AdapterRegistry(  # versions record (and loads check) the base's digests
-        settings.adapters_dir,
-        settings.registry_db_url,
-        base_identity=base_identity(model_dir, name),
-    )
-    known = {a.name for a in settings.agents}
-
-    def trainable() -> list[str]:
-        return [a for a in feedback.agents_with_rewards() if not known or a in known]
-
-    leases = TrainerLeases(registry.database, owner=owner, ttl_s=settings.trainer.lease_ttl_s)
-    trainer = ContinualTrainer(
-        build_policy(None, model_dir, settings, name), feedback, registry, settings.trainer,
-        agents=trainable, base_model=name, leases=leases,
-    )  # fmt: skip
-    parts: list[AsyncLifecycle] = [trainer]
-    if guard and settings.trainer.guard.enabled:
-        checks = RegressionGuard(
-            registry, feedback.rewards_by_version, settings.trainer.guard, reward_policy=rewards.id
-        )
-        parts.append(checks)
-    log.info("trainer %s: stores %s, model %s", leases.owner, settings.store_display_url, name)
-    try:
-        for part in parts:
-            await part.start()
-        await _until_signalled()
-    finally:
-        for part in reversed(parts):
-            await part.stop()
-        feedback.close()
-        trajectories.close()
-        registry.close()
-
-
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

@@ -2,8 +2,9 @@
 
 A `model` in a request is either the base model's name (`engine.model_name`)
 or an agent name. Agents come from two places:
-- configuration (`Settings.agents`), optionally with an initial PEFT adapter
-  loaded at startup as the agent's next registry version;
+- configuration (`Settings.agents`); an agent's initial PEFT adapter is
+  imported into the registry by the composition root before the gateway starts
+  (`service.parts.register_initial`), and served like any version;
 - `POST /v1/load_lora_adapter`, which creates the agent if it is new.
 
 Choice, documented: an agent without an adapter is served by the base model.
@@ -23,7 +24,7 @@ the registry but not configured (loaded at runtime before a restart, or in
 another process) is listed too. While a release's canary runs, `resolve` asks the
 release (`canary_route`) whether the request's sticky key goes to the canary arm.
 
-Not here: HTTP (see `admin`), reading adapter files (see `lora.peft_io`).
+Not here: HTTP (see `handlers`), reading adapter files (see `lora.peft_io`).
 """
 
 from __future__ import annotations
@@ -90,13 +91,13 @@ class AgentInfo:
         name: the public agent name (= `model` in requests).
         created: unix time the agent was registered.
         from_config: declared in settings (survives unloading its adapter).
-        adapter_path: the directory the adapter loaded here at runtime came from, if any.
+        source: the directory the adapter loaded here at runtime came from, if any.
     """
 
     name: str
     created: int
     from_config: bool
-    adapter_path: Path | None = None
+    source: Path | None = None
 
 
 class AgentRegistry:
@@ -125,23 +126,14 @@ class AgentRegistry:
         return self._engine.lora_limits
 
     async def start(self, agents: Iterable[AgentConfig]) -> None:
-        """Register configured agents and load their initial adapters.
+        """Register configured agents (what serves them is the deployer's).
 
         Raises:
             InvalidRequestError: an agent is named like the base model.
-            AdapterError: an initial adapter is missing, malformed or too large.
         """
         for config in agents:
             self._check_name_free_of_base(config.name, param="agents")
             self._agents[config.name] = AgentInfo(config.name, int(time.time()), from_config=True)
-            if config.adapter_path is not None:
-                version = await self.load_adapter(config.name, config.adapter_path, replace=True)
-                log.info(
-                    "agent %s: adapter %s loaded as version %d",
-                    config.name,
-                    config.adapter_path,
-                    version,
-                )
 
     def version(self, name: str) -> int | None:
         """The version served for agent `name` (None: the base model serves it)."""
@@ -227,7 +219,7 @@ class AgentRegistry:
             info = self._agents.get(name)
             if info is None:
                 info = self._agents[name] = AgentInfo(name, int(time.time()), from_config=False)
-            info.adapter_path = Path(path)
+            info.source = Path(path)
             return version
 
     async def unload_adapter(self, name: str) -> None:
@@ -246,7 +238,7 @@ class AgentRegistry:
                 )
             await self.deployer.deactivate(name)
             info = self._agents[name]
-            info.adapter_path = None
+            info.source = None
             if not info.from_config:
                 del self._agents[name]
 

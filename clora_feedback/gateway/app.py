@@ -1,13 +1,16 @@
 """Assemble the gateway: `create_app` wires ready-made parts into one FastAPI app.
 
-`create_app(settings, engine, store)` takes ready-made parts (tests pass a
-tiny-model engine and a temp store) and returns a FastAPI app whose lifespan
-starts the store and the engine, loads the configured agents' adapters, and
-stops everything in reverse order on shutdown.
+`create_app(settings, engine, store, deployer=...)` takes ready-made parts
+(tests pass a tiny-model engine, a temp store and
+`service.gateway_deployer`) and returns a FastAPI app whose lifespan starts
+the store and the engine, registers the configured agents, starts the
+deployer (which makes the engine serve the registry's active versions) and
+the other components, and stops everything in reverse order on shutdown.
 
-Not here: building the parts from `Settings` and running uvicorn (the
-composition root, `clora_feedback.service.build_service` and `serve`; the
-gateway never imports it), command-line parsing (`clora_feedback.cli.main`).
+Not here: building the parts from `Settings` (the registry, the deployer, the
+configured agents' initial adapters) and running uvicorn (the composition root,
+`clora_feedback.service.build_gateway` and `serve`; the gateway never imports
+it), command-line parsing (`clora_feedback.cli.main`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from clora_feedback.gateway.limits import BodyLimitMiddleware
 from clora_feedback.gateway.metrics import HTTPMetricsMiddleware, Metrics
 from clora_feedback.gateway.openapi import install_openapi
 from clora_feedback.gateway.routes import GatewayState, router
-from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ def create_app(
     engine: Engine,
     store: AsyncTrajectoryStore,
     *,
-    deployer: Deployer | None = None,
+    deployer: Deployer,
     agents: AgentRegistry | None = None,
     routers: Sequence[APIRouter] = (),
     components: Sequence[Component] = (),
@@ -64,13 +66,13 @@ def create_app(
         settings: agents, API keys, `server.max_body_bytes`.
         engine: the serving engine (not yet started).
         store: the trajectory store (not yet started).
-        deployer: makes `engine` serve the registry's active pointers (default: one over
-            a registry of its own under `settings.data_dir`); started before `components`.
+        deployer: makes `engine` serve the registry's active pointers; started before
+            `components`.
         agents: a prepared agent registry (default: a new one over `engine` and `deployer`).
         routers: more routes (feedback, adapters), mounted after the OpenAI ones.
         components: started in order once the agents are loaded, stopped in reverse.
     """
-    agents = agents or AgentRegistry(engine, deployer or _own_deployer(settings, engine))
+    agents = agents or AgentRegistry(engine, deployer)
     metrics = Metrics(top_agents=settings.server.metrics_top_agents)
     state = GatewayState(
         engine=engine,
@@ -121,12 +123,3 @@ def create_app(
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     return app
 
-
-def _own_deployer(settings: Settings, engine: Engine) -> Deployer:
-    """A gateway built without a service: adapters loaded at runtime still become registry
-    versions, in a registry of its own under `settings.data_dir` (with a `store_url`: the
-    shared registry and its shared `adapters_dir`), closed when it stops."""
-    # A shared registry names versions under one root every process mounts: adapters_dir.
-    root = settings.adapters_dir if settings.store_url else settings.data_dir / "adapters"
-    registry = AdapterRegistry(root, settings.registry_db_url)
-    return Deployer(engine, registry, on_stop=registry.close)

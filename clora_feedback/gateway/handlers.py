@@ -52,7 +52,7 @@ class ModelsHandler:
             if not principal.can_use_agent(info.name):
                 continue
             version = self._agents.version(info.name)  # the deployer's: the one source
-            root = str(info.adapter_path) if info.adapter_path is not None else base
+            root = str(info.source) if info.source is not None else base
             data.append(
                 self._model(
                     info.name,

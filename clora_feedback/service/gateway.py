@@ -1,37 +1,8 @@
-"""The composition root: every part of `clora serve` built from `Settings` and wired together.
+"""The gateway role (`clora serve`): engine, gateway, deployer, and (by default) the trainer,
+the guard and the feedback ingest, in one process.
 
-    engine + trajectory store  ->  gateway (OpenAI routes)
-    feedback store             <-  webhook (POST /v1/feedback)
-                               <-  Kafka consumer group  <-  topics  <-  webhook producer, outside systems
-    adapter registry           <-> trainer (publishes in place), guard (rolls back), admin routes
-
-Feedback: one `FeedbackIngest` applies webhook and Kafka events, rejoins
-parked ones and dead-letters the rest; `FeedbackPipeline`
-(`clora_feedback.feedback.pipeline`) says when the webhook produces to Kafka
-and when it writes straight to the store.
-
-`build_service` returns a typed `Service` record: the app to serve, and the
-parts callers (the demo, benchmarks, tests) read, instead of `app.state`.
-
-Versions: a configured agent's `adapter_path` is imported once as its
-version 1; after that (and after every restart) the deployer makes the engine
-serve each agent's active registry version, so training survives restarts and
-an unloaded adapter stays unloaded. Publish, rollback (operator or guard) and
-load/unload only move the pointer, through the deployer.
-
-Provenance and retention: the base model's identity (`store.provenance`) is
-computed once here and handed to the registry, which records it in every
-version and checks it on every load; the no-op probe (`engine.probe`) hears of
-each newly served version from the deployer; `Retention` prunes old adapter
-payloads and expires trajectories in the background.
-
-Several processes: the trainer takes trainer leases in the registry's database
-(one trainer per agent; `clora train` runs more of them, see `cli.train`), and on
-PostgreSQL the deployer also LISTENs for pointer moves made by other processes.
-
-Not here: HTTP handlers (see `gateway`), training math (see `train`), the
-Kafka lifecycle (see `feedback.pipeline`), running uvicorn (`serve`, below, is
-the only entry; `clora serve` calls it).
+Not here: the parts it shares with the workers (`parts`), running uvicorn for
+anything but `serve`, flags (`clora_feedback.cli.main`).
 """
 
 from __future__ import annotations
@@ -39,21 +10,16 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
 from fastapi import FastAPI
 
-from clora_feedback.config import DEFAULT_MODEL, Settings
+from clora_feedback.config import Settings
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.deployer import Deployer
-from clora_feedback.engine.embedded import EmbeddedEngine, resolve_device
 from clora_feedback.engine.factory import build_engine
 from clora_feedback.engine.probe import NoopProbe
-from clora_feedback.errors import ConflictError
 from clora_feedback.feedback.ingest import FeedbackIngest
 from clora_feedback.feedback.pipeline import FeedbackPipeline
-from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.agents import AgentRegistry
@@ -61,16 +27,21 @@ from clora_feedback.gateway.app import Component, create_app
 from clora_feedback.gateway.console import build_console_router
 from clora_feedback.gateway.feedback import build_feedback_router
 from clora_feedback.gateway.metrics import Family
-from clora_feedback.lora.weights import LoRALimits
-from clora_feedback.model.resolve import resolve_model_dir
-from clora_feedback.store.db import is_postgres_url
+from clora_feedback.service.parts import (
+    engine_settings,
+    open_registry,
+    open_stores,
+    pointer_listen_url,
+    policy_model,
+    register_configured,
+    resolve_model,
+    trainable,
+)
 from clora_feedback.store.lease import TrainerLeases
-from clora_feedback.store.provenance import base_identity
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.retention import Retention
-from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryStore
+from clora_feedback.store.trajectories import AsyncTrajectoryStore
 from clora_feedback.train.guard import RegressionGuard
-from clora_feedback.train.policy import DecoderPolicy, PolicyModel
 from clora_feedback.train.trainer import ContinualTrainer
 
 log = logging.getLogger(__name__)
@@ -169,104 +140,57 @@ class Service:
 
 
 def serve(settings: Settings) -> None:
-    """Build the service from `settings` and serve it with uvicorn until interrupted."""
+    """Build the gateway from `settings` and serve it with uvicorn until interrupted."""
     import uvicorn
 
     from clora_feedback.gateway.server import uvicorn_config
 
-    service = build_service(settings)
+    service = build_gateway(settings)
     # Body bounds, header and keep-alive timeouts, access log: `settings.server`.
     uvicorn.Server(uvicorn_config(service.app, settings)).run()
 
 
-def build_policy(engine: object, model_dir: Path, settings: Settings, name: str) -> PolicyModel:
-    """The trainer's model: the embedded engine's own base tensors, else its own copy.
-
-    Sharing is the one-box memory win (the trainer only reads the base); any
-    other engine (or a trainer in another process) gets a copy from `model_dir`.
-    """
-    compute = getattr(torch, settings.trainer.compute_dtype)
-    if isinstance(engine, EmbeddedEngine):
-        return DecoderPolicy.shared_with(engine, compute_dtype=compute)
-    return DecoderPolicy.from_dir(
-        model_dir,
-        max_lora_rank=settings.engine.max_lora_rank,
-        target_modules=tuple(settings.engine.lora_target_modules),
-        model_name=name,
-        max_model_len=settings.engine.max_model_len,
-        dtype=compute,
-        device=resolve_device(settings.engine.device),
-    )
+def gateway_deployer(settings: Settings, engine: Engine) -> Deployer:
+    """The deployer of a gateway over a ready-made engine (tests, embedders): a registry of
+    its own under `settings.data_dir` (with a `store_url`: the shared registry and its
+    `adapters_dir`), the configured agents' initial adapters imported into it; closed when
+    it stops. `build_gateway` builds its own engine and registry instead."""
+    # A shared registry names versions under one root every process mounts: adapters_dir.
+    root = settings.adapters_dir if settings.store_url else settings.data_dir / "adapters"
+    registry = AdapterRegistry(root, settings.registry_db_url)
+    register_configured(settings, registry, engine.model_name, engine.lora_limits)
+    return Deployer(engine, registry, on_stop=registry.close, base_model=engine.model_name)
 
 
-def pointer_listen_url(settings: Settings) -> str | None:
-    """The registry's URL when the deployer LISTENs on it (PostgreSQL and `engine.adapter_notify`),
-    else None (polling only; always so on SQLite)."""
-    url = settings.registry_db_url
-    return str(url) if settings.engine.adapter_notify and is_postgres_url(url) else None
-
-
-def _register_initial(
-    registry: AdapterRegistry, agent: str, path: Path, base_model: str, limits: LoRALimits
-) -> None:
-    """Import a configured agent's adapter as its version 1, once; an agent an operator
-    unloaded (versions, no active pointer) stays on the base model across restarts."""
-    try:
-        registry.register_initial(agent, path, base_model=base_model, limits=limits)
-    except ConflictError as exc:
-        if exc.code != "no_active_version":
-            raise
-        log.info("agent %s: unloaded earlier; the base model serves it", agent)
-
-
-def build_service(settings: Settings) -> Service:
-    """Resolve the model and build the engine, stores, registry, trainer, guard and feedback paths."""
-    model_dir = resolve_model_dir(settings.engine.model, settings.model_cache_dir)
-    name = DEFAULT_MODEL if settings.engine.model == DEFAULT_MODEL else model_dir.name
-    engine = build_engine(settings.engine, model_dir, name)
-    # store_url set: all three stores in one PostgreSQL database; else SQLite under data_dir.
+def build_gateway(settings: Settings) -> Service:
+    """Resolve the model and build the engine, stores, registry, deployer, trainer, guard,
+    feedback paths and console: everything `clora serve` runs."""
+    settings = engine_settings(settings)
+    model = resolve_model(settings)
+    engine = build_engine(settings.engine, model.directory, model.name)
     log.info("stores: %s", settings.store_display_url)
     store = AsyncTrajectoryStore(settings.trajectory_db_url)
-    # The one reward mapping: applied when samples are read, by this process only.
-    policy = DefaultRewardPolicy(settings.feedback)
-    # The feedback store joins through a read connection of the trajectory store's own.
-    feedback = FeedbackStore(
-        settings.trajectory_db_url,
-        trajectories=TrajectoryStore(settings.trajectory_db_url),
-        policy=policy,
-    )
-    # Computed once: every version published here records it, every load checks it.
-    identity = base_identity(model_dir, name)
-    registry = AdapterRegistry(
-        settings.adapters_dir, settings.registry_db_url, base_identity=identity
-    )
-    for agent in settings.agents:  # initial adapters become version 1, once
-        if agent.adapter_path is not None:
-            _register_initial(registry, agent.name, agent.adapter_path, name, engine.lora_limits)
-    serving = settings.model_copy(
-        update={"agents": [a.model_copy(update={"adapter_path": None}) for a in settings.agents]}
-    )
+    stores = open_stores(settings)
+    feedback = stores.feedback
+    registry = open_registry(settings, model)
+    register_configured(settings, registry, model.name, engine.lora_limits)
     probe = NoopProbe(engine, registry) if settings.retention.probe else None
     deployer = Deployer(
         engine,
         registry,
         poll_interval_s=settings.engine.adapter_poll_interval_s,
-        base_model=name,
+        base_model=model.name,
         listen_url=pointer_listen_url(settings),
         on_installed=None if probe is None else probe.schedule,
     )
     agents = AgentRegistry(engine, deployer)  # create_app starts the deployer first
-
-    def trainable() -> list[str]:
-        known = set(agents.names())
-        return [a for a in feedback.agents_with_rewards() if a in known]
-
     trainer = None
     if settings.trainer.enabled:  # the deployer installs versions: no trainer needed for that
         trainer = ContinualTrainer(
-            build_policy(engine, model_dir, settings, name), feedback, registry, settings.trainer,
-            agents=trainable, base_model=name, deployer=deployer,
-            leases=TrainerLeases(registry.database, ttl_s=settings.trainer.lease_ttl_s),
+            policy_model(settings, model, engine), feedback, registry, settings.trainer,
+            agents=trainable(feedback, agents.names), base_model=model.name, deployer=deployer,
+            leases=TrainerLeases(registry.database, owner=settings.trainer.lease_owner,
+                                 ttl_s=settings.trainer.lease_ttl_s),
         )  # fmt: skip
     components: list[Component] = []
     pipeline = FeedbackPipeline(
@@ -287,7 +211,7 @@ def build_service(settings: Settings) -> Service:
             feedback.rewards_by_version,
             settings.trainer.guard,
             deployer=deployer,
-            reward_policy=policy.id,
+            reward_policy=stores.policy.id,
         )
         components.append(guard)
     routers = [
@@ -308,7 +232,10 @@ def build_service(settings: Settings) -> Service:
                 replica_of=engine.replica_of,
             )
         )
-    app = create_app(serving, engine, store, agents=agents, routers=routers, components=components)
+    app = create_app(
+        settings, engine, store, deployer=deployer, agents=agents, routers=routers,
+        components=components,
+    )  # fmt: skip
     if trainer is not None:
         app.state.gateway.metrics.add_source(functools.partial(_trainer_families, trainer))
     app.state.gateway.metrics.add_source(lambda: _consumer_families(pipeline))
@@ -327,3 +254,7 @@ def build_service(settings: Settings) -> Service:
         deployer=deployer,
         settings=settings,
     )
+
+
+build_service = build_gateway
+"""The gateway's builder under its earlier name (the demo, the benchmarks and users call it)."""
