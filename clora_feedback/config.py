@@ -172,8 +172,12 @@ class EngineConfig(BaseModel):
     device: str = Field(
         "auto", description="`auto` (CUDA when present, else CPU), `cpu` or `cuda[:N]`."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Working dtype of the base weights and KV cache."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Working dtype of the base weights and KV cache. `auto`: the fastest on the "
+        "device at hand (`clora_feedback.hardware`): bfloat16 on a CPU with native bf16 dot "
+        "products (avx512_bf16 or amx_bf16) or a bf16 GPU, float32 elsewhere (on an AVX2-only "
+        "CPU bf16 is several times slower). Stated in the start-up log.",
     )
     max_num_seqs: int = Field(16, ge=1, description="Most sequences in one decode batch.")
     max_waiting: int = Field(64, ge=0, description="Queued requests beyond the batch before 429.")
@@ -445,27 +449,6 @@ class AdmissionConfig(BaseModel):
     )
 
 
-class GuardConfig(BaseModel):
-    """The regression guard (see `clora_feedback.train.guard`)."""
-
-    enabled: bool = Field(True, description="Check active versions and roll back regressions.")
-    margin: float = Field(
-        0.05,
-        ge=0.0,
-        description="Tolerated drop of the mean reward from parent to new version, in reward units.",
-    )
-    confidence: float = Field(
-        0.95,
-        gt=0.5,
-        lt=1.0,
-        description="One-sided confidence that the drop exceeds `margin` before rolling back.",
-    )
-    min_samples: int = Field(
-        30, ge=2, description="Rewards needed for each of the two versions before judging."
-    )
-    check_interval_s: float = Field(60.0, gt=0, description="Seconds between background checks.")
-
-
 class GateConfig(BaseModel):
     """The offline gate: a candidate against the serving version on held-out cases
     (`clora_feedback.release.gate`)."""
@@ -663,13 +646,14 @@ class TrainerConfig(BaseModel):
     batched_agents: int = Field(
         1, ge=1, description="Agents per forward/backward (1: serial swap steps, C-LoRA style)."
     )
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
         description="Dtype of the training forward/backward (base GEMMs, activations); LoRA "
-        "master weights, gradients and Adam moments stay fp32, the log-softmax fp32. bfloat16 "
-        "pays off only where the hardware multiplies bf16 natively (AMX, AVX512-BF16, GPUs): on "
-        "a plain AVX2 CPU a bf16 step is several times slower (docs/benchmarks-history.md, "
-        "`python -m benchmarks.precision`). A value other than engine.dtype gives the trainer its own copy of the base.",
+        "master weights, gradients and Adam moments stay fp32, the log-softmax fp32. `auto`: "
+        "bfloat16 where the hardware multiplies bf16 natively (AMX, AVX512-BF16, bf16 GPUs), "
+        "float32 elsewhere: on a plain AVX2 CPU a bf16 step is several times slower "
+        "(docs/benchmarks.md, `python -m benchmarks.precision`). A dtype other than the "
+        "engine's gives the trainer its own copy of the base.",
     )
     nice: int = Field(
         10,
@@ -684,7 +668,6 @@ class TrainerConfig(BaseModel):
         description="How long a trainer's lease on an agent lasts unrenewed (renewed every third "
         "of it); a dead trainer's agents move to another within lease_ttl_s * 4/3.",
     )
-    guard: GuardConfig = Field(default_factory=GuardConfig)
     lease_owner: str | None = Field(
         None,
         description="This trainer's id in the leases it holds (`clora train --owner`); "

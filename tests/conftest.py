@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,19 @@ from clora_feedback.model.tiny import build_tiny_model_dir
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that ask for a PostgreSQL database carry the `postgres` marker."""
     mark_postgres_tests(items)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _auto_dtype_is_fp32() -> Iterator[None]:
+    """`auto` dtypes resolve as on an AVX2-only CPU (fp32) in this process, so the suite's
+    values are the same on every CPU class; bf16 paths are tested with explicit dtypes
+    (tests/test_hardware.py checks the rule itself on every CPU class)."""
+    import clora_feedback.hardware as hardware
+
+    avx2_only = replace(hardware.cpu_features(), flags=frozenset({"avx2", "fma"}))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hardware, "cpu_features", lambda: avx2_only)
+        yield
 
 
 @pytest.fixture(scope="session")

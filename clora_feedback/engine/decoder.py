@@ -284,6 +284,11 @@ class SlottedDecoder:
         half = self.config.head_dim // 2
         self._sin_signed = torch.cat((-base.sin[:, :half], base.sin[:, half:]), dim=-1)
 
+    @property
+    def kernel_name(self) -> str:
+        """The dense kernel the base weights are multiplied by (`DenseKernels.build`)."""
+        return self._dense.name
+
     @classmethod
     def from_dir(
         cls,

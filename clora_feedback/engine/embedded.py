@@ -70,6 +70,7 @@ from clora_feedback.errors import (
     NotFoundError,
     OverloadedError,
 )
+from clora_feedback.hardware import cpu_features, dtype_name, resolve_dtype
 from clora_feedback.lora.ops import LoRABatch
 from clora_feedback.lora.peft_io import check_peft_adapter, load_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
@@ -78,7 +79,6 @@ from clora_feedback.store.versions import AdapterRef
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CAPABILITIES = EngineCapabilities(
     per_token_versions=True,
     logprobs="raw",
@@ -141,8 +141,16 @@ class EmbeddedEngine:
             max_loras=config.max_loras + 1,  # + the spare slot updates are staged into
             max_lora_rank=config.max_lora_rank,
             target_modules=tuple(config.lora_target_modules),
-            dtype=_DTYPES[config.dtype],
+            dtype=resolve_dtype(config.dtype, self.device),
             device=self.device,
+        )
+        log.info(
+            "embedded engine: %s on %s (engine.dtype %s), dense kernel %s; CPU: %s",
+            dtype_name(self.model.dtype),
+            self.device,
+            config.dtype,
+            self.model.kernel_name,
+            cpu_features().describe(),
         )
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self._max_len = min(config.max_model_len, self.model.config.max_position_embeddings)

@@ -17,14 +17,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from clora_feedback.config import DEFAULT_MODEL, Settings
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.embedded import EmbeddedEngine, resolve_device
 from clora_feedback.errors import ConflictError
 from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
+from clora_feedback.hardware import dtype_name, resolve_dtype
 from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.model.resolve import resolve_model_dir
 from clora_feedback.store.db import is_postgres_url
@@ -101,7 +100,12 @@ def policy_model(settings: Settings, model: Model, engine: Engine | None) -> Pol
     Sharing is the one-box memory win (the trainer only reads the base); any
     other engine (or a trainer in another process) gets a copy from the model directory.
     """
-    compute = getattr(torch, settings.trainer.compute_dtype)
+    compute = resolve_dtype(settings.trainer.compute_dtype, resolve_device(settings.engine.device))
+    log.info(
+        "trainer: compute dtype %s (trainer.compute_dtype %s)",
+        dtype_name(compute),
+        settings.trainer.compute_dtype,
+    )
     if isinstance(engine, EmbeddedEngine):
         return DecoderPolicy.shared_with(engine, compute_dtype=compute)
     return DecoderPolicy.from_dir(

@@ -33,12 +33,14 @@ from typing import Protocol
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from clora_feedback.hardware import DTYPES
 from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.model.base import BaseWeights
 from clora_feedback.train.forward import PackedBatch, TrainLoRA, token_logprobs
 
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""Names of `trainer.compute_dtype` and the torch dtypes they select."""
+COMPUTE_DTYPES: dict[str, torch.dtype] = {n: DTYPES[n] for n in ("float32", "bfloat16")}
+"""The explicit `trainer.compute_dtype` names (of `clora_feedback.hardware.DTYPES`; `auto`
+resolves to one of them, see `hardware.resolve_dtype`)."""
 
 
 class ModelFacts(Protocol):
