@@ -133,7 +133,7 @@ def test_unknown_route_and_wrong_method(module_gateway: GatewayServer) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),
         ({"echo": True}, "echo"),
         ({"logprobs": 6}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),

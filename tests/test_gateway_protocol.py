@@ -167,18 +167,23 @@ def test_stop_and_usage_helpers() -> None:
 
 def test_completion_prompt_forms() -> None:
     text = CompletionRequest.model_validate({"model": "m", "prompt": "hello"})
-    assert (text.prompt_text, text.prompt_token_ids, text.max_tokens) == ("hello", [], 16)
+    assert (text.prompts, text.max_tokens) == (["hello"], 16)
     ids = CompletionRequest.model_validate({"model": "m", "prompt": [5, 6, 7]})
-    assert (ids.prompt_text, ids.prompt_token_ids) == (None, [5, 6, 7])
-    nested = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]]})
-    assert nested.prompt_token_ids == [1, 2]
-    assert CompletionRequest.model_validate({"model": "m", "prompt": ["x"]}).prompt_text == "x"
+    assert ids.prompts == [[5, 6, 7]]
+    nested = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]]})
+    assert nested.prompts == [[1, 2], [3]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["x", "y"]}).prompts == [
+        "x",
+        "y",
+    ]
 
 
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a"] * 65}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),
+        ({"prompt": [[1], []]}, "prompt[1]"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": "x", "echo": True}, "echo"),

@@ -446,8 +446,8 @@ def test_feedback_naming_the_response_joins_its_trajectory(
     from clora_feedback.feedback.rewards import DefaultRewardPolicy
     from clora_feedback.feedback.store import FeedbackStore
     from clora_feedback.gateway.app import create_app
-    from clora_feedback.service import gateway_deployer
     from clora_feedback.gateway.feedback import build_feedback_router
+    from clora_feedback.service import gateway_deployer
     from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryStore
 
     engine_config = EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_threads=1)
@@ -484,31 +484,29 @@ def test_feedback_naming_the_response_joins_its_trajectory(
 
 
 def test_a_failure_mid_stream_ends_with_response_failed() -> None:
-    """The chat stream's error event becomes `error` then `response.failed`."""
+    """A chat turn that fails after some text becomes `error` then `response.failed`."""
     import asyncio
+    from types import SimpleNamespace
 
+    from clora_feedback.errors import EngineError
+    from clora_feedback.gateway.chat import ChoiceChunk
     from clora_feedback.gateway.responses import responses_events
 
-    async def chat_stream() -> Any:
-        first = {
-            "id": "chatcmpl-x",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": "support",
-            "choices": [{"index": 0, "delta": {"role": "assistant"}}],
-        }
-        text = {**first, "choices": [{"index": 0, "delta": {"content": "Hel"}}]}
-        yield f"data: {json.dumps(first)}\n\n"
-        yield f"data: {json.dumps(text)}\n\n"
-        error = {"message": "engine died", "type": "server_error", "param": None, "code": None}
-        yield f"data: {json.dumps({'error': error})}\n\n"
-        yield "data: [DONE]\n\n"
+    aborted: list[bool] = []
+    run = SimpleNamespace(created_at=1.0, abort=lambda: aborted.append(True))
+    turn = SimpleNamespace(completion_id="chatcmpl-x", run=run)
+
+    class FailingChat:
+        async def chunks(self, _turn: Any) -> Any:
+            yield ChoiceChunk(0, content="Hel", token_ids=(5,), token_versions=(0,))
+            raise EngineError("engine died")
 
     async def collect() -> list[dict[str, Any]]:
         origin = {"model": "support"}
+        extension = {"agent": "support", "adapter_version": 0}
         return [
             json.loads(e.split("data: ", 1)[1])
-            async for e in responses_events(origin, chat_stream())
+            async for e in responses_events(origin, turn, extension, FailingChat())  # type: ignore[arg-type]
         ]
 
     events = asyncio.run(collect())
@@ -520,3 +518,4 @@ def test_a_failure_mid_stream_ends_with_response_failed() -> None:
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "engine died"
     assert failed["output"][0]["content"][0]["text"] == "Hel"
+    assert failed["clora"]["token_ids"] == [5] and aborted

@@ -41,6 +41,9 @@ class _ScriptedEngine:
     )
     aborted: list[str] = field(default_factory=list)
 
+    def add_requests(self, requests: list[GenerationRequest]) -> list[RequestStreamImpl]:
+        return [self.add_request(r) for r in requests]
+
     def add_request(self, request: GenerationRequest) -> RequestStreamImpl:
         stream = RequestStreamImpl(
             request.request_id, asyncio.get_running_loop(), self.aborted.append
@@ -72,7 +75,7 @@ def _run(engine: _ScriptedEngine, n: int) -> GenerationRun:
         engine,  # type: ignore[arg-type]
         completion_id="c",
         agent=None,
-        prompt_token_ids=[1, 2],
+        prompts=[[1, 2]],
         sampling=sampling,
         n=n,
     )
@@ -122,9 +125,12 @@ async def test_leaving_early_aborts_every_request_at_once(n: int) -> None:
 
 
 def test_choice_extension_is_the_models_dump() -> None:
-    for ids, versions in (([], []), ([5], [0]), ([1, 2, 3], [2, 2, 3])):
-        expected = CloraChoiceExtension(token_ids=ids, token_versions=versions).model_dump()
-        got = choice_extension(ids, versions)
+    cases = (([], [], None), ([5], [0], None), ([1, 2, 3], [2, 2, 3], "cmpl-x-p1"))
+    for ids, versions, completion_id in cases:
+        expected = CloraChoiceExtension(
+            token_ids=ids, token_versions=versions, completion_id=completion_id
+        ).model_dump(exclude_none=True)
+        got = choice_extension(ids, versions, completion_id)
         assert got == expected
         assert list(got) == list(expected)
         assert got["token_ids"] is not ids  # copies, as the model makes

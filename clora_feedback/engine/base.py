@@ -10,7 +10,7 @@ Not here: HTTP, tokenisation of chat messages, persistence.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from clora_feedback.engine.types import (
@@ -72,6 +72,11 @@ class Engine(Protocol):
         `NotFoundError` when `request.agent` has no adapter and is not None, and
         `InvalidRequestError` when `request.guided` is a kind this engine does not
         compile (see `capabilities`) or a schema it cannot satisfy."""
+        ...
+
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> list[RequestStream]:
+        """Queue several requests for the same step (the choices of one completion request):
+        each is checked as `add_request` checks it, and all are queued or none is."""
         ...
 
     async def load_adapter(self, ref: AdapterRef) -> None:

@@ -38,6 +38,7 @@ import itertools
 import logging
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from clora_feedback.chat_format.constraint import vocab_texts
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.decoder import KVCache, PrefillChunk, SlottedDecoder
 from clora_feedback.engine.detok import Detokenizer
-from clora_feedback.engine.guided import check_supported, compile_guided
+from clora_feedback.engine.guided import compile_guided
 from clora_feedback.engine.prefix_cache import PrefixCache, PrefixChain
 from clora_feedback.engine.sampling import RowSampler, sample_batch
 from clora_feedback.engine.slots import AdapterSlots, HostAdapters
@@ -252,6 +253,35 @@ class EmbeddedEngine:
     # -- Engine Protocol: requests ---------------------------------------------------
 
     def add_request(self, request: GenerationRequest) -> RequestStreamImpl:
+        return self.add_requests([request])[0]
+
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> list[RequestStreamImpl]:
+        """Queue `requests` under one lock: the step loop admits them together."""
+        seqs = [self._sequence(request) for request in requests]
+        with self._lock:
+            for seq in seqs:
+                self._check_admission(seq.request, len(seqs))
+            for seq in seqs:
+                self._waiting.append(seq)
+                self._by_id[seq.request.request_id] = seq
+            self._lock.notify_all()
+        return [seq.stream for seq in seqs]
+
+    def _check_admission(self, request: GenerationRequest, arriving: int) -> None:
+        """Under the lock: the agent is served, the id is new, the queue has room."""
+        if request.agent is not None and request.agent not in self._slots:
+            raise NotFoundError(f"no adapter is loaded for agent {request.agent!r}", param="model")
+        if request.request_id in self._by_id:
+            raise InvalidRequestError(f"duplicate request id {request.request_id}")
+        capacity = self.config.max_num_seqs + self.config.max_waiting
+        if len(self._waiting) + len(self._running) + arriving > capacity:
+            raise OverloadedError(
+                f"the engine is at capacity ({capacity} requests); retry shortly",
+                retry_after_s=1.0,
+            )
+
+    def _sequence(self, request: GenerationRequest) -> _Sequence:
+        """A checked request as the step loop's sequence (not queued yet)."""
         sp = request.sampling
         if not request.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -268,7 +298,7 @@ class EmbeddedEngine:
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         sp.check(vocab)
-        check_supported(request.guided, _CAPABILITIES)
+        _CAPABILITIES.check(request.guided)
         constraint = None
         if request.guided is not None:
             constraint = compile_guided(request.guided, self._token_texts())
@@ -290,23 +320,7 @@ class EmbeddedEngine:
                 raise AdapterError(
                     f"the adapter of agent {request.agent!r} cannot be read: {failed}"
                 ) from failed
-        with self._lock:
-            if request.agent is not None and request.agent not in self._slots:
-                raise NotFoundError(
-                    f"no adapter is loaded for agent {request.agent!r}", param="model"
-                )
-            if request.request_id in self._by_id:
-                raise InvalidRequestError(f"duplicate request id {request.request_id}")
-            capacity = self.config.max_num_seqs + self.config.max_waiting
-            if len(self._waiting) + len(self._running) >= capacity:
-                raise OverloadedError(
-                    f"the engine is at capacity ({capacity} requests); retry shortly",
-                    retry_after_s=1.0,
-                )
-            self._waiting.append(seq)
-            self._by_id[request.request_id] = seq
-            self._lock.notify_all()
-        return stream
+        return seq
 
     def _abort(self, request_id: str) -> None:
         with self._lock:

@@ -8,11 +8,19 @@ one its free-text-with-calls grammar (constrained from `<tool_call>` on), and a
 fallbacks), over the engine's own token texts. An engine that runs out of
 process compiles the same spec its own way (e.g. guided decoding on vLLM).
 
+The grammar is compiled once per request: the n sequences of one request share
+its spec object, and `grammar_for` keeps the grammars of the last few spec
+objects it compiled (by identity: specs hold schemas, which are not hashable);
+each sequence gets its own copy of the grammar's state. Whether an engine
+compiles a kind of spec at all is `EngineCapabilities.check`.
+
 Not here: the grammar (see `clora_feedback.chat_format`), sampling (see `sampling`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from clora_feedback.chat_format.constraint import (
@@ -23,7 +31,6 @@ from clora_feedback.chat_format.constraint import (
     triggered_grammar,
 )
 from clora_feedback.engine.types import (
-    EngineCapabilities,
     GuidedDecoding,
     JSONSchemaSpec,
     TokenConstraint,
@@ -31,18 +38,10 @@ from clora_feedback.engine.types import (
 )
 from clora_feedback.errors import InvalidRequestError
 
-
-def check_supported(guided: GuidedDecoding | None, capabilities: EngineCapabilities) -> None:
-    """Raise `InvalidRequestError` (400) when the engine does not compile this kind of spec."""
-    if guided is not None and guided.kind not in capabilities.constraints:
-        param = "response_format"
-        if isinstance(guided, ToolCallSpec):
-            param = "tool_choice" if guided.mode == "forced" else "tools"
-        raise InvalidRequestError(
-            f"this engine cannot enforce a {guided.kind!r} constraint "
-            f"(it supports: {', '.join(sorted(capabilities.constraints)) or 'none'})",
-            param=param,
-        )
+_RECENT = 8
+"""Spec objects whose grammar `grammar_for` keeps: the requests arriving together."""
+_grammars: OrderedDict[int, tuple[GuidedDecoding, Grammar]] = OrderedDict()
+_lock = threading.Lock()
 
 
 def compile_guided(guided: GuidedDecoding, token_texts: Sequence[str]) -> TokenConstraint:
@@ -56,6 +55,30 @@ def compile_guided(guided: GuidedDecoding, token_texts: Sequence[str]) -> TokenC
         InvalidRequestError: a schema is malformed or unsatisfiable, or the forced
             function is not among the spec's functions.
     """
+    return JSONCallConstraint.from_grammar(token_texts, grammar_for(guided))
+
+
+def grammar_for(guided: GuidedDecoding) -> Grammar:
+    """The grammar of `guided`, compiled once per spec object (see the module docstring).
+
+    Raises:
+        InvalidRequestError: as `compile_guided`.
+    """
+    key = id(guided)
+    with _lock:
+        hit = _grammars.get(key)
+        if hit is not None and hit[0] is guided:  # the spec held there keeps its id unique
+            _grammars.move_to_end(key)
+            return hit[1]
+    grammar = _compile(guided)
+    with _lock:
+        _grammars[key] = (guided, grammar)
+        while len(_grammars) > _RECENT:
+            _grammars.popitem(last=False)
+    return grammar
+
+
+def _compile(guided: GuidedDecoding) -> Grammar:
     if isinstance(guided, ToolCallSpec) and guided.mode == "on_trigger":
         if not guided.functions:
             raise InvalidRequestError("tool calls need tools", param="tools")
@@ -72,4 +95,4 @@ def compile_guided(guided: GuidedDecoding, token_texts: Sequence[str]) -> TokenC
         grammar = object_grammar(guided.schema)
     else:  # pragma: no cover - the union is closed
         raise InvalidRequestError(f"unknown constraint {guided!r}")
-    return JSONCallConstraint.from_grammar(token_texts, grammar)
+    return grammar

@@ -47,6 +47,24 @@ class EngineCapabilities:
     in_memory_adapters: bool
     constraints: frozenset[str] = frozenset()
 
+    def supports(self, guided: GuidedDecoding) -> bool:
+        """Whether the engine compiles this kind of spec."""
+        return guided.kind in self.constraints
+
+    def check(self, guided: GuidedDecoding | None) -> None:
+        """Raise `InvalidRequestError` (400, naming the parameter that asked for `guided`)
+        when the engine does not compile this kind of spec; None passes."""
+        if guided is None or self.supports(guided):
+            return
+        param = "response_format"
+        if isinstance(guided, ToolCallSpec):
+            param = "tool_choice" if guided.mode == "forced" else "tools"
+        raise InvalidRequestError(
+            f"this engine cannot enforce a {guided.kind!r} constraint "
+            f"(it supports: {', '.join(sorted(self.constraints)) or 'none'})",
+            param=param,
+        )
+
 
 SEED_BITS = 64
 """Seeds are 64-bit patterns: an engine seed is in [0, 2**64)."""

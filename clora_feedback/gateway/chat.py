@@ -8,8 +8,9 @@ Per request, `ChatHandler`:
    engine for a `ToolCallSpec` (the functions' parameter schemas), which the
    engine compiles, so the call's arguments are always JSON that follows the
    declared parameters (stop strings are ignored for forced calls: they could
-   cut it); an engine that cannot compile it answers 400; a `response_format`
-   of "json_object" or "json_schema" asks for a `JSONSchemaSpec` instead (the
+   cut it); an engine that cannot compile it answers 400, and so does a
+   schema it cannot compile (before any engine work); a `response_format` of
+   "json_object" or "json_schema" asks for a `JSONSchemaSpec` instead (the
    reply is one JSON object, as content; stop strings ignored likewise, tools
    not parsed); a reply cut by `max_tokens` is returned as cut, with "length";
    with `tool_choice` "auto" the spec is an "on_trigger" `ToolCallSpec`: text is
@@ -18,30 +19,39 @@ Per request, `ChatHandler`:
    and refuses `strict` tools with a 400); `parallel_tool_calls: false` allows
    one call (the prompt says so, the constraint stops after it, the parser keeps
    the first); rendering and tokenising run off the event loop (`offload`);
-3. checks the context window and submits n sequences (`GenerationRun`);
+3. checks the context window and submits n sequences (`GenerationRun`); the
+   request travels on as one frozen `ChatTurn`;
 4. parses tool calls (`finish_reason` "tool_calls" when there are any; legacy
-   `functions` requests get `message.function_call` and "function_call");
+   `functions` requests get `message.function_call` and "function_call"); a
+   call left open at the end (cut by `max_tokens` or a stop string) is closed
+   by replaying the text through the calls' grammar, built only then (the
+   engine compiles its own copy to constrain the tokens);
 5. records the trajectory (the request's `metadata` with it), then answers:
    one JSON body, or SSE chunks (each choice's finish in a chunk of its own,
    after its last delta, as OpenAI sends it) ending with an optional usage
    chunk and `[DONE]` (the trajectory is committed first).
 
+Streaming yields typed `ChoiceChunk`s (`chunks`), which the chat SSE writer
+turns into `chat.completion.chunk` JSON and `/v1/responses` into its own
+events, so neither re-parses the other's wire format.
+
 Not here: HTTP routing (see `routes`), the wire models (see `schemas.openai`), the
-prompt format and its grammar (see `clora_feedback.chat_format`).
+prompt format and its grammar (see `clora_feedback.chat_format`), what every
+completion handler shares (see `serving`).
 """
 
 from __future__ import annotations
 
-import logging
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat import ChatCompletion
 from starlette.requests import Request
 
 from clora_feedback.chat_format.calls import (
+    CALL_CLOSE,
+    CALL_OPEN,
     ContentDelta,
     StreamEvent,
     ToolCallEvent,
@@ -52,37 +62,37 @@ from clora_feedback.chat_format.constraint import (
     Grammar,
     call_grammar,
     completion_suffix,
-    object_grammar,
     triggered_grammar,
 )
 from clora_feedback.chat_format.tools import forced_call, forced_call_prefix, render_messages
 from clora_feedback.engine.base import Engine
-from clora_feedback.engine.guided import check_supported
 from clora_feedback.engine.types import GuidedDecoding, JSONSchemaSpec, RequestOutput, ToolCallSpec
-from clora_feedback.errors import CloraError, EngineError, InvalidRequestError
-from clora_feedback.gateway.agents import AgentRegistry, Route, sticky_key
+from clora_feedback.errors import InvalidRequestError
+from clora_feedback.gateway.agents import AgentRegistry, Route
 from clora_feedback.gateway.auth import Principal
-from clora_feedback.gateway.capture import build_record, version_attribution
-from clora_feedback.gateway.errors import error_event
+from clora_feedback.gateway.capture import build_record
 from clora_feedback.gateway.generation import ChoiceState, GenerationRun, plan_sampling
 from clora_feedback.gateway.logprobs import TokenPieces, chat_logprobs
 from clora_feedback.gateway.metrics import Metrics
 from clora_feedback.gateway.offload import off_loop
-from clora_feedback.gateway.sse import DONE, SSEResponse, run_unless_disconnected, sse_event
+from clora_feedback.gateway.serving import Serving
+from clora_feedback.gateway.sse import (
+    SSEResponse,
+    openai_stream,
+    run_unless_disconnected,
+    sse_event,
+)
 from clora_feedback.schemas.openai import (
     ChatCompletionRequest,
     ChatTool,
-    CloraResponseExtension,
     choice_extension,
     include_usage,
     stop_list,
 )
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
-log = logging.getLogger(__name__)
 
-
-@dataclass
+@dataclass(frozen=True)
 class ChatPrompt:
     """A chat request turned into engine input.
 
@@ -91,10 +101,8 @@ class ChatPrompt:
         forced_prefix: text of a forced tool-call opening ("" when none is forced);
             part of the prompt, but parsed together with the generated text.
         parse_tools: tools are offered, so the output is parsed for calls.
-        guided: the declarative spec for the engine to compile: the forced call's, or
-            the JSON reply's that `response_format` asks for.
-        grammar: the calls' grammar (forced, or chosen by the model), to close a call
-            that `max_tokens` cut short (None for a JSON reply: returned as generated).
+        guided: the declarative spec for the engine to compile: the forced call's, the
+            calls the model chooses, or the JSON reply's that `response_format` asks for.
         drops_stop: stop strings are ignored (a forced call or a JSON reply: they could
             cut it); calls the model chooses keep them.
         parallel: several calls may be returned; false keeps the first one only
@@ -105,12 +113,32 @@ class ChatPrompt:
     forced_prefix: str
     parse_tools: bool
     guided: GuidedDecoding | None = None
-    grammar: Grammar | None = None
     drops_stop: bool = False
     parallel: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat request on its way, built once by `open` and read by every step after.
+
+    Attributes:
+        completion_id: the response id (= the trajectory id).
+        body: the request.
+        principal: the caller.
+        route: how `body.model` is served.
+        prompt: the engine input and how to read its output.
+        run: the engine work, n choices.
+    """
+
+    completion_id: str
+    body: ChatCompletionRequest
+    principal: Principal
+    route: Route
+    prompt: ChatPrompt
+    run: GenerationRun
+
+
+@dataclass(frozen=True)
 class ChoiceResult:
     """What one finished choice answers with."""
 
@@ -119,15 +147,51 @@ class ChoiceResult:
     finish_reason: str
 
 
-def closing_suffix(prompt: ChatPrompt, choice: ChoiceState) -> str:
-    """Text that completes a forced call cut short by `max_tokens` ("" when it completed).
+@dataclass(frozen=True)
+class ChoiceChunk:
+    """What one engine chunk of one choice adds to a streamed reply, typed for every writer.
 
-    The generated text is replayed through the call's grammar here: the engine's
-    compiled constraint stays inside the engine.
+    Attributes:
+        index: the choice.
+        content: text to append (None: none in this chunk).
+        tool_calls: calls completed in this chunk (`{"id", "type", "function"}`), the
+            first of them the choice's call number `first_call`.
+        first_call: how many calls the choice had streamed before this chunk.
+        token_ids: engine token ids of this chunk.
+        token_versions: the adapter version of each.
+        logprobs: the chunk's `logprobs` JSON when the request asked for them.
+        finish_reason: set on a choice's last chunk (which carries nothing else), as
+            the client sees it ("function_call" for legacy `functions`).
     """
-    if prompt.grammar is None:
+
+    index: int
+    content: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    first_call: int = 0
+    token_ids: tuple[int, ...] = ()
+    token_versions: tuple[int, ...] = ()
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+def closing_suffix(prompt: ChatPrompt, choice: ChoiceState) -> str:
+    """Text that completes a call left open at the end of `choice` ("" when none is).
+
+    Only then is the calls' grammar built: the engine compiled its own copy to
+    constrain the tokens, and it stays inside the engine.
+    """
+    spec = prompt.guided
+    if not isinstance(spec, ToolCallSpec):
         return ""
-    return completion_suffix(prompt.grammar, choice.text)
+    text = prompt.forced_prefix + choice.text
+    if text.rfind(CALL_OPEN) <= text.rfind(CALL_CLOSE):
+        return ""
+    grammar: Grammar = (
+        call_grammar(spec.functions, spec.name)
+        if spec.mode == "forced"
+        else triggered_grammar(spec.functions, parallel=spec.parallel)
+    )
+    return completion_suffix(grammar, choice.text)
 
 
 def _tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -140,11 +204,7 @@ class ChatHandler:
     def __init__(
         self, engine: Engine, agents: AgentRegistry, store: AsyncTrajectoryStore, metrics: Metrics
     ):
-        self._engine = engine
-        self._agents = agents
-        self._store = store
-        self._metrics = metrics
-        self._pieces = TokenPieces(engine.tokenizer)
+        self._serving = Serving(engine, agents, store, metrics)
 
     async def create(
         self,
@@ -159,43 +219,60 @@ class ChatHandler:
         `size`: the bytes the prompt is rendered from, when known (the HTTP body of a chat
         request); a small one is rendered on the event loop (`off_loop`).
         """
-        route = self._agents.resolve(body.model, sticky=sticky_key(body, uuid.uuid4().hex))
-        principal.check_model(body.model, route.agent)
+        turn = await self.open(body, principal, size=size)
+        if body.stream:
+            name = f"chat stream {turn.completion_id}"
+            return SSEResponse(
+                openai_stream(self._sse(turn), name=name, on_exit=turn.run.abort),
+                on_close=turn.run.abort,
+            )
+        return self.response(turn, await self.complete(turn, request))
+
+    async def open(
+        self, body: ChatCompletionRequest, principal: Principal, *, size: int | None = None
+    ) -> ChatTurn:
+        """Route, render and submit one request: its engine run is under way on return.
+
+        Raises:
+            CloraError: unknown model (404), a bad request or a constraint the engine
+                cannot compile (400), the context window (400), a full queue (429).
+        """
+        serving = self._serving
+        route = serving.route(body, principal)
         # Rendering and tokenising a big prompt takes a while: keep the event loop free.
         prompt = await off_loop(lambda: self._prepare(body), size=size)
         param, max_tokens = body.max_tokens_param
         sampling = plan_sampling(
             prompt_len=len(prompt.token_ids),
-            max_model_len=self._engine.max_model_len,
+            max_model_len=serving.engine.max_model_len,
             max_tokens=max_tokens,
             max_tokens_param=param,
             prompt_param="messages",
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
             stop=() if prompt.drops_stop else stop_list(body.stop),
             logprobs=bool(body.logprobs),
             top_logprobs=body.top_logprobs or 0,
             controls=body,
         )
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        run = GenerationRun(
-            self._engine,
-            completion_id=completion_id,
-            agent=route.engine_agent,
-            prompt_token_ids=prompt.token_ids,
+        completion_id, run = serving.start(
+            route,
+            id_prefix="chatcmpl",
+            prompts=[prompt.token_ids],
             sampling=sampling,
             n=body.n or 1,
             guided=prompt.guided,
         )
-        if body.stream:
-            return SSEResponse(
-                self._stream(body, principal, route, prompt, run, completion_id), on_close=run.abort
-            )
-        choices = await run_unless_disconnected(request, run.run())
-        results = [self._finish_choice(prompt, c) for c in choices]
-        await self._record(body, principal, route, prompt, run, completion_id, results)
-        return self._response(body, route, prompt, run, completion_id, results)
+        return ChatTurn(completion_id, body, principal, route, prompt, run)
+
+    async def complete(self, turn: ChatTurn, request: Request) -> list[ChoiceResult]:
+        """Generate every choice (cancelled if the client leaves), record, return the results."""
+        choices = await run_unless_disconnected(request, turn.run.run())
+        results = [self._finish_choice(turn.prompt, c) for c in choices]
+        await self._record(turn, results)
+        return results
+
+    def extension(self, turn: ChatTurn) -> dict[str, Any]:
+        """The response's top-level `clora` object."""
+        return self._serving.capture.extension(turn.route, turn.prompt.token_ids)
 
     # -- prompt ---------------------------------------------------------------------
 
@@ -208,10 +285,11 @@ class ChatHandler:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         parallel = body.parallel_tool_calls is not False
         rendered = render_messages(messages, tools, choice_wire, parallel_calls=parallel)
-        tokenizer = self._engine.tokenizer
+        engine = self._serving.engine
+        tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
-                f"model {self._engine.model_name!r} has no chat template; use /v1/completions",
+                f"model {engine.model_name!r} has no chat template; use /v1/completions",
                 param="messages",
             )
         text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
@@ -226,10 +304,8 @@ class ChatHandler:
             return ChatPrompt(ids, prefix, parse, reply, drops_stop=reply is not None)
         name, functions = forced
         spec = ToolCallSpec(functions=functions, name=name)
-        check_supported(spec, self._engine.capabilities)
-        # Compiled here too (cheap, no tokens): a bad schema is a 400 before any engine work.
-        grammar = call_grammar(functions, name)
-        return ChatPrompt(ids, prefix, parse, spec, grammar, drops_stop=True, parallel=parallel)
+        engine.capabilities.check(spec)
+        return ChatPrompt(ids, prefix, parse, spec, drops_stop=True, parallel=parallel)
 
     def _chosen_calls(self, ids: list[int], tools: list[ChatTool], parallel: bool) -> ChatPrompt:
         """`tool_choice` "auto": the calls the model opens follow their tools' schemas.
@@ -239,13 +315,12 @@ class ChatHandler:
         """
         functions = {t.function.name: t.function.parameters for t in tools}
         spec = ToolCallSpec(functions=functions, mode="on_trigger", parallel=parallel)
-        if spec.kind not in self._engine.capabilities.constraints:
-            strict = [t.function.name for t in tools if t.function.strict]
-            if strict:
-                check_supported(spec, self._engine.capabilities)  # raises, naming `tools`
+        capabilities = self._serving.engine.capabilities
+        if not capabilities.supports(spec):
+            if any(t.function.strict for t in tools):
+                capabilities.check(spec)  # raises, naming `tools`
             return ChatPrompt(ids, "", True, parallel=parallel)
-        grammar = triggered_grammar(functions, parallel=parallel)  # a bad schema: 400 now
-        return ChatPrompt(ids, "", True, spec, grammar, parallel=parallel)
+        return ChatPrompt(ids, "", True, spec, parallel=parallel)
 
     def _reply_spec(self, body: ChatCompletionRequest) -> JSONSchemaSpec | None:
         """The JSON reply `response_format` (or `guided_json`) asks for, checked against the
@@ -253,8 +328,7 @@ class ChatHandler:
         if not body.constrains_reply:
             return None
         spec = JSONSchemaSpec(body.reply_schema)
-        check_supported(spec, self._engine.capabilities)
-        object_grammar(spec.schema)  # a bad schema is a 400 before any engine work
+        self._serving.engine.capabilities.check(spec)
         return spec
 
     # -- results --------------------------------------------------------------------
@@ -273,62 +347,29 @@ class ChatHandler:
             content, [_tool_call_json(c.id, c.name, c.arguments) for c in calls], "tool_calls"
         )
 
-    async def _record(
-        self,
-        body: ChatCompletionRequest,
-        principal: Principal,
-        route: Route,
-        prompt: ChatPrompt,
-        run: GenerationRun,
-        completion_id: str,
-        results: list[ChoiceResult],
-    ) -> None:
+    async def _record(self, turn: ChatTurn, results: list[ChoiceResult]) -> None:
+        run = turn.run
         record = build_record(
-            completion_id=completion_id,
+            completion_id=turn.completion_id,
             kind="chat",
-            route=route,
-            principal=principal,
-            request=body.model_dump(mode="json", exclude_none=True),
-            prompt_token_ids=prompt.token_ids,
+            route=turn.route,
+            principal=turn.principal,
+            request=turn.body.model_dump(mode="json", exclude_none=True),
+            prompt_token_ids=turn.prompt.token_ids,
             run=run,
             outputs=[
                 (c, c.text, r.finish_reason, r.tool_calls)
                 for c, r in zip(run.choices, results, strict=True)
             ],
-            capabilities=self._engine.capabilities,
+            capabilities=self._serving.engine.capabilities,
         )
-        await self._store.record(record)
-        generated = sum(len(c.token_ids) for c in run.choices)
-        self._metrics.observe_completion(record.agent, "chat", len(prompt.token_ids), generated)
+        await self._serving.capture.commit(record, "chat")
 
-    def _usage(self, prompt: ChatPrompt, run: GenerationRun) -> dict[str, int]:
-        completion = sum(len(c.token_ids) for c in run.choices)
-        prompt_tokens = len(prompt.token_ids)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
-
-    def _extension(self, route: Route, prompt: ChatPrompt | None) -> dict[str, Any]:
-        return CloraResponseExtension(
-            agent=route.agent,
-            adapter_version=route.adapter_version,
-            prompt_token_ids=prompt.token_ids if prompt is not None else None,
-            version_attribution=version_attribution(self._engine),
-        ).wire()
-
-    def _response(
-        self,
-        body: ChatCompletionRequest,
-        route: Route,
-        prompt: ChatPrompt,
-        run: GenerationRun,
-        completion_id: str,
-        results: list[ChoiceResult],
-    ) -> dict[str, Any]:
+    def response(self, turn: ChatTurn, results: list[ChoiceResult]) -> dict[str, Any]:
+        """The `chat.completion` JSON of a finished turn."""
+        body = turn.body
         choices = []
-        for state, result in zip(run.choices, results, strict=True):
+        for state, result in zip(turn.run.choices, results, strict=True):
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": result.content,
@@ -343,7 +384,7 @@ class ChatHandler:
             logprobs = None
             if body.logprobs:
                 logprobs = chat_logprobs(
-                    self._pieces,
+                    self._serving.pieces,
                     state.token_ids,
                     state.logprobs,
                     state.top_logprobs,
@@ -359,163 +400,166 @@ class ChatHandler:
                 }
             )
         payload = {
-            "id": completion_id,
+            "id": turn.completion_id,
             "object": "chat.completion",
-            "created": int(run.created_at),
+            "created": int(turn.run.created_at),
             "model": body.model,
             "choices": choices,
-            "usage": self._usage(prompt, run),
-            "clora": self._extension(route, prompt),
+            "usage": turn.run.usage(),
+            "clora": self.extension(turn),
         }
         return ChatCompletion.model_validate(payload).model_dump(mode="json", exclude_unset=True)
 
     # -- streaming ------------------------------------------------------------------
 
-    def _chunk(
-        self,
-        body: ChatCompletionRequest,
-        run: GenerationRun,
-        completion_id: str,
-        choices: list[dict[str, Any]],
-        **extra: Any,
-    ) -> str:
+    async def chunks(self, turn: ChatTurn) -> AsyncGenerator[ChoiceChunk, None]:
+        """The typed chunks of a streamed turn; the trajectory is committed after the last.
+
+        Raises:
+            CloraError: the engine failed or aborted a sequence.
+        """
+        streamer = _ChoiceStreamer(self._serving.pieces, turn)
+        async for choice, out in turn.run.events():
+            for chunk in streamer.chunks(choice, out):
+                yield chunk
+        await self._record(turn, [streamer.result(c) for c in turn.run.choices])
+
+    async def _sse(self, turn: ChatTurn) -> AsyncIterator[str]:
+        """`chat.completion.chunk` events (`openai_stream` adds `[DONE]` and errors)."""
+        # With tools the reply may turn out to be calls only, whose content is null:
+        # content then starts with its first delta (OpenAI's first chunk is the same).
+        opening: dict[str, Any] = {"role": "assistant"}
+        if not turn.prompt.parse_tools:
+            opening["content"] = ""
+        first = [
+            {"index": c.index, "delta": dict(opening), "logprobs": None, "finish_reason": None}
+            for c in turn.run.choices
+        ]
+        yield self._event(turn, first, clora=self.extension(turn))
+        legacy = turn.body.legacy_functions
+        async for chunk in self.chunks(turn):
+            yield self._event(turn, [_chunk_choice(chunk, legacy)])
+        if include_usage(turn.body):
+            yield self._event(turn, [], usage=turn.run.usage())
+
+    @staticmethod
+    def _event(turn: ChatTurn, choices: list[dict[str, Any]], **extra: Any) -> str:
+        """One `chat.completion.chunk` (built as OpenAI's `ChatCompletionChunk` reads it)."""
         payload: dict[str, Any] = {
-            "id": completion_id,
+            "id": turn.completion_id,
             "object": "chat.completion.chunk",
-            "created": int(run.created_at),
-            "model": body.model,
+            "created": int(turn.run.created_at),
+            "model": turn.body.model,
             "choices": choices,
             **extra,
         }
-        if include_usage(body) and "usage" not in payload:
+        if include_usage(turn.body) and "usage" not in payload:
             payload["usage"] = None
-        chunk = ChatCompletionChunk.model_validate(payload)
-        return sse_event(chunk.model_dump(mode="json", exclude_unset=True))
+        return sse_event(payload)
 
-    async def _stream(
-        self,
-        body: ChatCompletionRequest,
-        principal: Principal,
-        route: Route,
-        prompt: ChatPrompt,
-        run: GenerationRun,
-        completion_id: str,
-    ) -> AsyncIterator[str]:
-        try:
-            # With tools the reply may turn out to be calls only, whose content is null:
-            # content then starts with its first delta (OpenAI's first chunk is the same).
-            opening: dict[str, Any] = {"role": "assistant"}
-            if not prompt.parse_tools:
-                opening["content"] = ""
-            first = [
-                {
-                    "index": c.index,
-                    "delta": dict(opening),
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for c in run.choices
-            ]
-            yield self._chunk(body, run, completion_id, first, clora=self._extension(route, prompt))
-            streamer = _ChoiceStreamer(self._pieces, body, prompt, run)
-            async for choice, out in run.events():
-                for delta in streamer.deltas(choice, out):
-                    yield self._chunk(body, run, completion_id, [delta])
-            results = [streamer.result(c) for c in run.choices]
-            await self._record(body, principal, route, prompt, run, completion_id, results)
-            if include_usage(body):
-                yield self._chunk(body, run, completion_id, [], usage=self._usage(prompt, run))
-            yield DONE
-        except CloraError as exc:
-            yield sse_event(error_event(exc))
-            yield DONE
-        except Exception:
-            log.exception("chat stream %s failed", completion_id)
-            yield sse_event(error_event(EngineError("the stream failed; see the server log")))
-            yield DONE
-        finally:
-            run.abort()
+
+def _chunk_choice(chunk: ChoiceChunk, legacy_functions: bool) -> dict[str, Any]:
+    """A chunk as a `chat.completion.chunk` choice."""
+    if chunk.finish_reason is not None:
+        return {
+            "index": chunk.index,
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": chunk.finish_reason,
+            "clora": choice_extension([], []),
+        }
+    delta: dict[str, Any] = {}
+    if chunk.content:
+        delta["content"] = chunk.content
+    if chunk.tool_calls and legacy_functions:
+        delta["function_call"] = chunk.tool_calls[0]["function"]
+    elif chunk.tool_calls:
+        delta["tool_calls"] = [
+            {"index": chunk.first_call + k, **call} for k, call in enumerate(chunk.tool_calls)
+        ]
+    return {
+        "index": chunk.index,
+        "delta": delta,
+        "logprobs": chunk.logprobs,
+        "finish_reason": None,
+        "clora": choice_extension(chunk.token_ids, chunk.token_versions),
+    }
 
 
 class _ChoiceStreamer:
-    """Turns engine chunks into OpenAI chunk choices (content or tool-call deltas) and
-    remembers what each choice streamed, so the trajectory records what the client saw
-    (including the tool-call ids it will refer to)."""
+    """Turns engine chunks into `ChoiceChunk`s (content or tool calls) and remembers what
+    each choice streamed, so the trajectory records what the client saw (including the
+    tool-call ids it will refer to)."""
 
-    def __init__(
-        self,
-        pieces: TokenPieces,
-        body: ChatCompletionRequest,
-        prompt: ChatPrompt,
-        run: GenerationRun,
-    ):
+    def __init__(self, pieces: TokenPieces, turn: ChatTurn):
         self._pieces = pieces
-        self._body = body
-        self._prompt = prompt
+        self._body = turn.body
+        self._prompt = turn.prompt
         self._parsers: dict[int, ToolCallStreamParser] = {}
-        self._content: dict[int, list[str]] = {c.index: [] for c in run.choices}
-        self._calls: dict[int, list[dict[str, Any]]] = {c.index: [] for c in run.choices}
-        if prompt.parse_tools:
-            for choice in run.choices:
+        self._content: dict[int, list[str]] = {c.index: [] for c in turn.run.choices}
+        self._calls: dict[int, list[dict[str, Any]]] = {c.index: [] for c in turn.run.choices}
+        if turn.prompt.parse_tools:
+            for choice in turn.run.choices:
                 parser = ToolCallStreamParser()
-                if prompt.forced_prefix:
-                    parser.feed(prompt.forced_prefix)  # emits nothing: it can only open a call
+                if turn.prompt.forced_prefix:
+                    parser.feed(turn.prompt.forced_prefix)  # emits nothing: it only opens a call
                 self._parsers[choice.index] = parser
 
-    def deltas(self, choice: ChoiceState, out: RequestOutput) -> list[dict[str, Any]]:
-        """Chunk choices for one engine chunk of `choice`.
+    def chunks(self, choice: ChoiceState, out: RequestOutput) -> list[ChoiceChunk]:
+        """The chunks of one engine chunk of `choice`.
 
-        The finish comes in a chunk of its own with an empty delta, after the last
-        content or tool-call delta, as OpenAI sends it: the SDK's stream helpers
-        close a tool call's arguments (`tool_calls.function.arguments.done`) only
-        when a later chunk finishes the choice.
+        The finish comes in a chunk of its own, after the last content or tool-call
+        chunk, as OpenAI sends it: the SDK's stream helpers close a tool call's
+        arguments (`tool_calls.function.arguments.done`) only when a later chunk
+        finishes the choice.
         """
-        delta: dict[str, Any] = {}
         parser = self._parsers.get(choice.index)
         if parser is None:
-            if out.text:
-                delta["content"] = out.text
-                self._content[choice.index].append(out.text)
+            content = out.text or None
+            calls: list[dict[str, Any]] = []
+            if content:
+                self._content[choice.index].append(content)
         else:
             events = parser.feed(out.text) if out.text else []
             if out.finished:
                 tail = closing_suffix(self._prompt, choice)
                 events += (parser.feed(tail) if tail else []) + parser.finish()
-            self._apply_events(choice.index, events, delta)
-        entries: list[dict[str, Any]] = []
-        if delta or out.tokens:
-            entries.append(self._entry(choice, out, delta))
+            content, calls = self._apply_events(choice.index, events)
+        first_call = len(self._calls[choice.index]) - len(calls)
+        found: list[ChoiceChunk] = []
+        if content or calls or out.tokens:
+            found.append(self._chunk(choice, out, content, calls, first_call))
         if out.finished:
-            finish = {
-                "index": choice.index,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": self._finish_reason(choice),
-                "clora": choice_extension([], []),
-            }
-            entries.append(finish)
-        return entries
+            found.append(ChoiceChunk(choice.index, finish_reason=self._finish_reason(choice)))
+        return found
 
-    def _entry(
-        self, choice: ChoiceState, out: RequestOutput, delta: dict[str, Any]
-    ) -> dict[str, Any]:
+    def _chunk(
+        self,
+        choice: ChoiceState,
+        out: RequestOutput,
+        content: str | None,
+        calls: list[dict[str, Any]],
+        first_call: int,
+    ) -> ChoiceChunk:
         start = len(choice.token_ids) - len(out.tokens)
-        entry: dict[str, Any] = {
-            "index": choice.index,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": None,
-            "clora": choice_extension(choice.token_ids[start:], choice.versions[start:]),
-        }
+        logprobs = None
         if self._body.logprobs and out.tokens:
-            entry["logprobs"] = chat_logprobs(
+            logprobs = chat_logprobs(
                 self._pieces,
                 choice.token_ids[start:],
                 choice.logprobs[start:],
                 choice.top_logprobs[start:],
                 self._body.top_logprobs or 0,
             ).model_dump()
-        return entry
+        return ChoiceChunk(
+            choice.index,
+            content=content,
+            tool_calls=tuple(calls),
+            first_call=first_call,
+            token_ids=tuple(choice.token_ids[start:]),
+            token_versions=tuple(choice.versions[start:]),
+            logprobs=logprobs,
+        )
 
     def _finish_reason(self, choice: ChoiceState) -> str:
         reason = self.result(choice).finish_reason
@@ -530,22 +574,19 @@ class _ChoiceStreamer:
             return ChoiceResult(content or None, calls, "tool_calls")
         return ChoiceResult(content, None, choice.finish_reason or "stop")
 
-    def _apply_events(self, index: int, events: list[StreamEvent], delta: dict[str, Any]) -> None:
+    def _apply_events(
+        self, index: int, events: list[StreamEvent]
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, calls) that `events` add to choice `index`, remembered for its result."""
         content = "".join(e.text for e in events if isinstance(e, ContentDelta))
         if content:
-            delta["content"] = content
             self._content[index].append(content)
         calls = [
             _tool_call_json(e.id, e.name, e.arguments)
             for e in events
             if isinstance(e, ToolCallEvent)
         ]
-        first = len(self._calls[index])
         if not self._prompt.parallel:
-            calls = calls[: max(0, 1 - first)]  # as `_finish_choice`: the first call counts
-        if calls and self._body.legacy_functions:
-            self._calls[index].extend(calls)
-            delta["function_call"] = calls[0]["function"]
-        elif calls:
-            self._calls[index].extend(calls)
-            delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]
+            calls = calls[: max(0, 1 - len(self._calls[index]))]  # the first call counts
+        self._calls[index].extend(calls)
+        return content or None, calls

@@ -1,7 +1,10 @@
 """Engine work for one HTTP request: n sequences submitted together, merged, accumulated.
 
-`GenerationRun` submits one `GenerationRequest` per choice (choice i is seeded
-`(seed + i) mod 2**64`, see `engine.types.choice_seed`),
+`GenerationRun` submits one `GenerationRequest` per choice, for every prompt
+at once (n choices per prompt, indexed prompt by prompt: choice `p * n + j` is
+prompt p's j-th, seeded `(seed + j) mod 2**64`, see `engine.types.choice_seed`,
+so a prompt's answers do not depend on the prompts beside it); they are all
+submitted before the engine's next step, so they share its batches. It
 merges their streams into one async sequence of `(choice, chunk)` events (one
 choice: its stream read as it is, without a merge task) and
 accumulates per-choice token ids, behaviour logprobs and adapter versions. It
@@ -23,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -47,6 +50,7 @@ class ChoiceState:
     Attributes:
         index: choice index (`choices[i].index`).
         request_id: the engine request id.
+        prompt_index: which of the run's prompts this choice continues.
         token_ids: generated engine token ids.
         logprobs: behaviour logprob per token.
         versions: adapter version per token.
@@ -61,6 +65,7 @@ class ChoiceState:
 
     index: int
     request_id: str
+    prompt_index: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -86,8 +91,17 @@ class ChoiceState:
 
 
 class SamplingControls(Protocol):
-    """The sampling controls of a request beyond temperature/top_p (both OpenAI request
-    models have them); None means the default (off)."""
+    """The sampling controls of a request (both OpenAI request models have them); None
+    means the default (temperature and top_p 1, the rest off)."""
+
+    @property
+    def temperature(self) -> float | None: ...
+
+    @property
+    def top_p(self) -> float | None: ...
+
+    @property
+    def seed(self) -> int | None: ...
 
     @property
     def frequency_penalty(self) -> float | None: ...
@@ -115,17 +129,15 @@ def plan_sampling(
     max_tokens: int | None,
     max_tokens_param: str,
     prompt_param: str,
-    temperature: float | None,
-    top_p: float | None,
-    seed: int | None,
     stop: tuple[str, ...],
     logprobs: bool,
     top_logprobs: int,
-    controls: SamplingControls | None = None,
+    controls: SamplingControls,
 ) -> SamplingParams:
     """Sampling parameters for one choice (`seeded` derives each choice's seed).
 
-    An absent `max_tokens` means "the rest of the context window".
+    An absent `max_tokens` means "the rest of the context window"; `prompt_len` is the
+    longest prompt's length when a request has several.
 
     Raises:
         ContextLengthError: the prompt leaves no room (param `prompt_param`), or
@@ -150,14 +162,14 @@ def plan_sampling(
     budget = max_tokens if max_tokens is not None else room
     params = SamplingParams(
         max_tokens=budget,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        seed=seed,
+        temperature=1.0 if controls.temperature is None else controls.temperature,
+        top_p=1.0 if controls.top_p is None else controls.top_p,
+        seed=controls.seed,
         stop=stop,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
-    return params if controls is None else _with_controls(params, controls, max_tokens_param)
+    return _with_controls(params, controls, max_tokens_param)
 
 
 def _with_controls(
@@ -189,17 +201,17 @@ def seeded(sampling: SamplingParams, index: int) -> SamplingParams:
 
 
 class GenerationRun:
-    """The n engine requests behind one completion request.
+    """The engine requests behind one completion request: n per prompt.
 
     Args:
         engine: the engine to submit to.
         completion_id: the response id; engine request ids are `{completion_id}-{i}`.
         agent: `GenerationRequest.agent` (None = base model).
-        prompt_token_ids: the prompt, shared by every choice.
+        prompts: the prompts' token ids (one for chat), each continued by n choices.
         sampling: parameters before the per-choice seed offset.
-        n: number of choices.
+        n: number of choices per prompt.
         guided: the declarative constraint every choice generates under (forced tool
-            call, JSON schema); the engine compiles one per sequence.
+            call, JSON schema); one spec object for all, so the engine compiles it once.
     """
 
     def __init__(
@@ -208,30 +220,37 @@ class GenerationRun:
         *,
         completion_id: str,
         agent: str | None,
-        prompt_token_ids: list[int],
+        prompts: Sequence[list[int]],
         sampling: SamplingParams,
         n: int,
         guided: GuidedDecoding | None = None,
     ) -> None:
         per_token = engine.capabilities.per_token_versions
+        self.prompts = list(prompts)
+        self.n = n
         self.choices = [
-            ChoiceState(i, f"{completion_id}-{i}", per_token_versions=per_token) for i in range(n)
+            ChoiceState(p * n + j, f"{completion_id}-{p * n + j}", p, per_token_versions=per_token)
+            for p in range(len(self.prompts))
+            for j in range(n)
         ]
         self.created_at = time.time()
         self.started = time.monotonic()
         self.finished_at: float | None = None
         self._streams: list[RequestStream] = []
         try:
-            for choice in self.choices:
-                request = GenerationRequest(
+            requests = [
+                GenerationRequest(
                     request_id=choice.request_id,
                     agent=agent,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling=seeded(sampling, choice.index),
+                    prompt_token_ids=self.prompts[choice.prompt_index],
+                    sampling=seeded(sampling, choice.index - choice.prompt_index * n),
                     guided=guided,
                 )
-                # Raises OverloadedError / ContextLengthError / NotFoundError synchronously.
-                self._streams.append(engine.add_request(request))
+                for choice in self.choices
+            ]
+            # Together, for one step; raises OverloadedError / ContextLengthError /
+            # NotFoundError / InvalidRequestError synchronously, with none queued.
+            self._streams = list(engine.add_requests(requests))
         except BaseException:
             self.abort()
             raise
@@ -309,6 +328,20 @@ class GenerationRun:
         async for _ in self.events():
             pass
         return self.choices
+
+    def of_prompt(self, prompt_index: int) -> list[ChoiceState]:
+        """The choices that continue prompt `prompt_index`, in order."""
+        return self.choices[prompt_index * self.n : (prompt_index + 1) * self.n]
+
+    def usage(self) -> dict[str, int]:
+        """OpenAI's `usage`: every prompt's tokens and every choice's generated tokens."""
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def timings(self) -> dict[str, float]:
         """`ttft_s` (admission to the first token of any choice) and `total_s` (to the last)."""

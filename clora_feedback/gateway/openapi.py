@@ -58,6 +58,11 @@ ROUTE_STATUSES: Mapping[str, tuple[int, ...]] = {
     "POST /v1/adapters/{agent}/rollback": (400, *_ADMIN, 404, 409, 410),
     "POST /v1/adapters/{agent}/pin": (*_ADMIN, 404),
     "POST /v1/adapters/{agent}/unpin": (*_ADMIN, 404),
+    # The release path (admin key): 409 when it is off or the version cannot move that way.
+    "POST /v1/adapters/{agent}/gate": (400, *_ADMIN, 404, 409),
+    "POST /v1/adapters/{agent}/promote": (400, *_ADMIN, 404, 409),
+    "POST /v1/adapters/{agent}/abort": (400, *_ADMIN, 404, 409),
+    "POST /v1/adapters/{agent}/cases": (400, *_ADMIN, 404, 409),
     # The operator console (`gateway.console`): a session cookie, not a key; POSTs need the
     # session's CSRF token (403); login refuses a wrong key (401) and an agent's key (403),
     # and too many failures from one address in a minute (429).

@@ -18,9 +18,10 @@ Per request, `ResponsesHandler`:
    chat shapes, `text.format` into `response_format`, `max_output_tokens` into
    `max_completion_tokens` (`schemas.responses.ResponsesChatRequest`, which keeps
    the Responses request beside the messages in the stored trajectory);
-4. answers with the response object, or translates the chat stream into
-   Responses events (`response.created` ... `response.completed`, each with
-   `sequence_number`), the trajectory committed before the last one.
+4. answers with the response object, or translates the chat handler's typed
+   chunks (`ChatHandler.chunks`) into Responses events (`response.created` ...
+   `response.completed`, each with `sequence_number`), the trajectory committed
+   before the last one.
 
 Output items have ids derived from the completion and call ids, so
 `GET /v1/responses/{id}` answers the same items as the creation did. Input
@@ -38,6 +39,7 @@ work and capture (see `chat`, `generation`, `capture`).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -48,10 +50,11 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 
 from clora_feedback.chat_format.calls import parse_tool_calls
-from clora_feedback.errors import InvalidRequestError, NotFoundError
+from clora_feedback.errors import CloraError, EngineError, InvalidRequestError, NotFoundError
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import Principal
-from clora_feedback.gateway.chat import ChatHandler
+from clora_feedback.gateway.chat import ChatHandler, ChatTurn, ChoiceChunk, ChoiceResult
+from clora_feedback.gateway.errors import error_event
 from clora_feedback.gateway.sse import SSEResponse
 from clora_feedback.schemas.responses import (
     FunctionCallItem,
@@ -64,6 +67,7 @@ from clora_feedback.schemas.responses import (
 )
 from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryRecord
 
+log = logging.getLogger(__name__)
 _EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 _ITEM: TypeAdapter[Any] = TypeAdapter(ResponseItem)
 
@@ -381,14 +385,13 @@ class ResponsesHandler:
             )
             history = self._conversation(previous)
         chat_body = chat_request(body, history)
-        result = await self._chat.create(chat_body, principal, request)
+        turn = await self._chat.open(chat_body, principal)
         origin = chat_body.responses
-        if isinstance(result, SSEResponse):
-            # The chat response keeps its disconnect watch and its engine abort; only
-            # what it sends changes.
-            result.body_iterator = responses_events(origin, result.body_iterator)
-            return result
-        return self._from_chat(origin, result)
+        if chat_body.stream:
+            events = responses_events(origin, turn, self._chat.extension(turn), self._chat)
+            return SSEResponse(events, on_close=turn.run.abort)
+        (result,) = await self._chat.complete(turn, request)
+        return self._from_chat(origin, turn, result)
 
     async def get(self, response_id: str, principal: Principal) -> dict[str, Any]:
         """A stored response, as its creation answered it."""
@@ -444,21 +447,24 @@ class ResponsesHandler:
             reply["tool_calls"] = calls
         return [*messages, reply]
 
-    @staticmethod
-    def _from_chat(origin: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-        choice = result["choices"][0]
-        message, usage = choice["message"], result["usage"]
-        finish = choice["finish_reason"]
+    def _from_chat(
+        self, origin: dict[str, Any], turn: ChatTurn, result: ChoiceResult
+    ) -> dict[str, Any]:
+        (choice,) = turn.run.choices
+        usage = turn.run.usage()
+        response_id, finish = turn.completion_id, result.finish_reason
         return response_json(
             origin,
-            result["id"],
-            result["created"],
-            output=output_items(
-                result["id"], message.get("content"), message.get("tool_calls"), finish
-            ),
+            response_id,
+            turn.run.created_at,
+            output=output_items(response_id, result.content, result.tool_calls, finish),
             finish=finish,
             usage=usage_json(usage["prompt_tokens"], usage["completion_tokens"]),
-            extension={**result["clora"], **choice["clora"]},
+            extension={
+                **self._chat.extension(turn),
+                "token_ids": list(choice.token_ids),
+                "token_versions": list(choice.versions),
+            },
         )
 
 
@@ -476,13 +482,13 @@ def _sse(event: dict[str, Any]) -> str:
 
 
 class _Translation:
-    """Chat chunks of one choice -> Responses events, numbered in order."""
+    """Typed chat chunks of one choice -> Responses events, numbered in order."""
 
-    def __init__(self, origin: dict[str, Any]) -> None:
+    def __init__(self, origin: dict[str, Any], turn: ChatTurn, extension: dict[str, Any]) -> None:
         self.origin = origin
-        self.response_id = ""
-        self.created = 0.0
-        self.extension: dict[str, Any] = {}
+        self.response_id = turn.completion_id
+        self.created = turn.run.created_at
+        self.extension: dict[str, Any] = {**extension, "token_ids": [], "token_versions": []}
         self.items: list[dict[str, Any]] = []
         self.text: list[str] | None = None  # the open message's text, while one is open
         self.finish: str | None = None
@@ -506,33 +512,24 @@ class _Translation:
             error=error,
         )
 
-    def start(self, chunk: dict[str, Any]) -> list[str]:
-        self.response_id, self.created = chunk["id"], chunk["created"]
-        self.extension = dict(chunk.get("clora") or {})
-        self.extension.update(token_ids=[], token_versions=[])
+    def start(self) -> list[str]:
         response = self.response(done=False)
         return [
             self.event("response.created", response=response),
             self.event("response.in_progress", response=response),
         ]
 
-    def chunk(self, chunk: dict[str, Any]) -> list[str]:
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-            self.usage = usage_json(usage["prompt_tokens"], usage["completion_tokens"])
+    def chunk(self, chunk: ChoiceChunk) -> list[str]:
+        self.extension["token_ids"] += chunk.token_ids
+        self.extension["token_versions"] += chunk.token_versions
         out: list[str] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            ext = choice.get("clora") or {}
-            self.extension["token_ids"] += ext.get("token_ids", [])
-            self.extension["token_versions"] += ext.get("token_versions", [])
-            if delta.get("content"):
-                out += self._text(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                out += self._close_text() + self._call(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-                out += self._close_text()
+        if chunk.content:
+            out += self._text(chunk.content)
+        for call in chunk.tool_calls:
+            out += self._close_text() + self._call(call)
+        if chunk.finish_reason is not None:
+            self.finish = chunk.finish_reason
+            out += self._close_text()
         return out
 
     def finish_events(self) -> list[str]:
@@ -619,27 +616,34 @@ class _Translation:
         ]
 
 
-async def responses_events(origin: dict[str, Any], chat_events: Any) -> AsyncIterator[str]:
-    """The chat stream's `data:` events as Responses events.
+async def responses_events(
+    origin: dict[str, Any], turn: ChatTurn, extension: dict[str, Any], chat: ChatHandler
+) -> AsyncIterator[str]:
+    """The turn's typed chat chunks as Responses events.
 
-    The chat stream commits the trajectory before its usage chunk and `[DONE]`, so
-    `response.completed` (sent at `[DONE]`) comes after the trajectory is stored.
+    The chat handler commits the trajectory after the last chunk, so
+    `response.completed` comes after the trajectory is stored.
     """
-    translation = _Translation(origin)
-    async with aclosing(chat_events) as events:  # closing it aborts the engine requests
-        async for raw in events:
-            data = str(raw).removeprefix("data: ").strip()
-            if data == "[DONE]":
-                for event in translation.finish_events():
+    translation = _Translation(origin, turn, extension)
+    for event in translation.start():
+        yield event
+    try:
+        async with aclosing(chat.chunks(turn)) as chunks:  # closing it aborts the engine run
+            async for chunk in chunks:
+                for event in translation.chunk(chunk):
                     yield event
-                return
-            chunk = json.loads(data)
-            if "error" in chunk:
-                for event in translation.failed(chunk["error"]):
-                    yield event
-                return
-            if not translation.response_id:
-                for event in translation.start(chunk):
-                    yield event
-            for event in translation.chunk(chunk):
-                yield event
+    except CloraError as exc:
+        failure = error_event(exc)["error"]
+    except Exception:
+        log.exception("responses stream %s failed", turn.completion_id)
+        failure = error_event(EngineError("the stream failed; see the server log"))["error"]
+    else:
+        usage = turn.run.usage()
+        translation.usage = usage_json(usage["prompt_tokens"], usage["completion_tokens"])
+        for event in translation.finish_events():
+            yield event
+        return
+    finally:
+        turn.run.abort()
+    for event in translation.failed(failure):
+        yield event

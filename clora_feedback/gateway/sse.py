@@ -9,6 +9,10 @@ engine requests before the next decode step rather than at the next token write.
 `run_unless_disconnected` does the same for non-streamed responses: a client
 that hangs up while its completion is generating cancels the generation.
 
+`openai_stream` frames a handler's events: it adds the final `[DONE]`, and a
+failure midway ends the stream with an OpenAI error event and `[DONE]` (the
+HTTP status is long sent by then).
+
 Not here: what the events contain (see `chat`, `completions`).
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -25,6 +30,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from clora_feedback.errors import CloraError, EngineError
+from clora_feedback.gateway.errors import error_event
+
+log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 DONE = "data: [DONE]\n\n"
@@ -33,6 +42,29 @@ DONE = "data: [DONE]\n\n"
 def sse_event(payload: dict[str, Any]) -> str:
     """One `data:` event (compact JSON, non-ASCII kept as is)."""
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def openai_stream(
+    events: AsyncIterator[str], *, name: str, on_exit: Callable[[], None]
+) -> AsyncIterator[str]:
+    """`events`, then `[DONE]`; a failure ends the stream with an error event and `[DONE]`.
+
+    Args:
+        events: the `data:` events of one response.
+        name: what is streamed, for the log of an unexpected failure.
+        on_exit: called however the stream ends (it aborts the engine requests).
+    """
+    try:
+        async for event in events:
+            yield event
+    except CloraError as exc:
+        yield sse_event(error_event(exc))
+    except Exception:
+        log.exception("%s failed", name)
+        yield sse_event(error_event(EngineError("the stream failed; see the server log")))
+    finally:
+        on_exit()
+    yield DONE
 
 
 class ClientDisconnected(Exception):

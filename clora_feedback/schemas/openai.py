@@ -50,6 +50,8 @@ MAX_STOP = 16
 """Most stop strings per request (OpenAI allows 4; agent frameworks sometimes send more)."""
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_PROMPTS = 64
+"""Most prompts in one text-completion request (each is n engine sequences)."""
 _AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 
 
@@ -554,11 +556,12 @@ class ChatCompletionRequest(_Wire):
 
 
 class CompletionRequest(_Wire):
-    """`POST /v1/completions` (legacy text completion) for one prompt.
+    """`POST /v1/completions` (legacy text completion) for one prompt or several.
 
-    `prompt` is a string or a list of token ids; a one-element list of either is
-    accepted too. Several prompts in one request are refused: send one request
-    per prompt, so each gets its own completion id and trajectory.
+    `prompt` is a string, a list of token ids, or a list of either (at most
+    `MAX_PROMPTS`), as OpenAI and vLLM accept it (LangChain's `OpenAI(...).batch`
+    sends a list): the choices are indexed prompt by prompt, `n` each, and every
+    prompt is recorded as its own trajectory (`capture.prompt_completion_id`).
     """
 
     model: str = Field(min_length=1)
@@ -599,44 +602,28 @@ class CompletionRequest(_Wire):
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise InvalidRequestError("best_of other than n is not supported", param="best_of")
-        prompt = self.prompt
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and not isinstance(prompt[0], int)
-            and len(prompt) != 1
-        ):
+        prompts = self.prompts
+        if not prompts:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
             raise InvalidRequestError(
-                "one prompt per request: send each prompt of a batch as its own request",
-                param="prompt",
+                f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt"
             )
-        if self.prompt_text is None and not self.prompt_token_ids:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if self.prompt_text == "":
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        for i, one in enumerate(prompts):
+            if len(one) == 0:
+                where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise InvalidRequestError(f"{where} must not be empty", param=where)
         return self
 
     @property
-    def prompt_text(self) -> str | None:
-        """The prompt when given as text, else None."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids (one for a plain prompt)."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
-        if prompt and isinstance(prompt[0], str):
-            return prompt[0]
-        return None
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        """The prompt when given as token ids, else an empty list."""
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt:
-            first = prompt[0]
-            if isinstance(first, int):
-                return [int(t) for t in prompt if isinstance(t, int)]
-            if isinstance(first, list):
-                return list(first)
-        return []
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [[t for t in prompt if isinstance(t, int)]]
+        return [p for p in prompt if isinstance(p, str | list)]
 
 
 class LoadLoRAAdapterRequest(_Wire):
@@ -727,9 +714,21 @@ class CloraChoiceExtension(BaseModel):
 
     token_ids: list[int]
     token_versions: list[int]
+    completion_id: str | None = None
+    """The trajectory that records this choice, when it is not the response's `id`: a
+    text completion of several prompts records one per prompt (`{id}-p{index}`), which
+    feedback names. Absent otherwise."""
 
 
-def choice_extension(token_ids: Sequence[int], token_versions: Sequence[int]) -> dict[str, Any]:
-    """`CloraChoiceExtension(token_ids=..., token_versions=...).model_dump()` for the engine's
-    int lists, as a plain dict: it is built for every choice of every streamed chunk."""
-    return {"token_ids": list(token_ids), "token_versions": list(token_versions)}
+def choice_extension(
+    token_ids: Sequence[int], token_versions: Sequence[int], completion_id: str | None = None
+) -> dict[str, Any]:
+    """`CloraChoiceExtension(...).model_dump(exclude_none=True)` for the engine's int lists, as
+    a plain dict: it is built for every choice of every streamed chunk."""
+    extension: dict[str, Any] = {
+        "token_ids": list(token_ids),
+        "token_versions": list(token_versions),
+    }
+    if completion_id is not None:
+        extension["completion_id"] = completion_id
+    return extension

@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.detok import Detokenizer
-from clora_feedback.engine.guided import check_supported
 from clora_feedback.engine.stream import RequestStreamImpl
 from clora_feedback.engine.types import (
     EngineCapabilities,
@@ -345,6 +344,18 @@ class VLLMEngine:
 
     # -- Engine Protocol: requests ---------------------------------------------------
 
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> list[RequestStreamImpl]:
+        """Each request is its own HTTP call, sent at once; a refusal aborts those sent."""
+        streams: list[RequestStreamImpl] = []
+        try:
+            for request in requests:
+                streams.append(self.add_request(request))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
     def add_request(self, request: GenerationRequest) -> RequestStreamImpl:
         self._started()
         body = self.completion_body(request)
@@ -403,7 +414,7 @@ class VLLMEngine:
                 f"prompt token ids must be in [0, {self._vocab})", param="prompt"
             )
         sp.check(self._vocab)
-        check_supported(request.guided, CAPABILITIES)
+        CAPABILITIES.check(request.guided)
         body: dict[str, Any] = {
             "prompt": list(prompt),
             "max_tokens": sp.max_tokens,

@@ -1,0 +1,90 @@
+"""What the chat and text-completion handlers share: the parts they serve with, and a route.
+
+`Serving` holds the engine, the agents, the trajectory capture and the token
+pieces (for logprobs); `ChatHandler` and `CompletionHandler` each own one, so
+the skeleton of a request (route the model for this key, plan its sampling,
+start its engine run, answer whole or as a stream, commit the trajectory) is
+written once, and the handlers differ only in their prompts and wire shapes.
+
+Not here: the prompts (see `chat`, `completions`), the engine run (see
+`generation`), the record (see `capture`), the stream framing (see `sse`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Protocol
+
+from clora_feedback.engine.base import Engine
+from clora_feedback.engine.types import GuidedDecoding, SamplingParams
+from clora_feedback.gateway.agents import AgentRegistry, Route, sticky_key
+from clora_feedback.gateway.auth import Principal
+from clora_feedback.gateway.capture import Capture
+from clora_feedback.gateway.generation import GenerationRun
+from clora_feedback.gateway.logprobs import TokenPieces
+from clora_feedback.gateway.metrics import Metrics
+from clora_feedback.store.trajectories import AsyncTrajectoryStore
+
+
+class Requested(Protocol):
+    """What routing reads of a request body (both OpenAI request models have it)."""
+
+    @property
+    def model(self) -> str: ...
+
+
+class Serving:
+    """The parts a completion handler serves with.
+
+    Attributes:
+        engine: the engine every request runs on.
+        agents: routes `model` to an agent and the version that serves it.
+        capture: extension fields and trajectory commits.
+        pieces: token texts for logprobs.
+    """
+
+    def __init__(
+        self, engine: Engine, agents: AgentRegistry, store: AsyncTrajectoryStore, metrics: Metrics
+    ) -> None:
+        self.engine = engine
+        self.agents = agents
+        self.capture = Capture(engine, store, metrics)
+        self.pieces = TokenPieces(engine.tokenizer)
+
+    def route(self, body: Requested, principal: Principal) -> Route:
+        """How `body.model` is served for this caller.
+
+        Raises:
+            NotFoundError: an unknown model, or one this key may not use (the same answer).
+        """
+        route = self.agents.resolve(body.model, sticky=sticky_key(body, uuid.uuid4().hex))
+        principal.check_model(body.model, route.agent)
+        return route
+
+    def start(
+        self,
+        route: Route,
+        *,
+        id_prefix: str,
+        prompts: Sequence[list[int]],
+        sampling: SamplingParams,
+        n: int,
+        guided: GuidedDecoding | None = None,
+    ) -> tuple[str, GenerationRun]:
+        """A fresh completion id (`{id_prefix}-{hex}`) and its engine run, under way.
+
+        Raises:
+            CloraError: what the engine refuses at submission (see `Engine.add_requests`).
+        """
+        completion_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        run = GenerationRun(
+            self.engine,
+            completion_id=completion_id,
+            agent=route.engine_agent,
+            prompts=prompts,
+            sampling=sampling,
+            n=n,
+            guided=guided,
+        )
+        return completion_id, run
