@@ -1,6 +1,6 @@
 """Lifecycle helpers for long-running async parts: `async with` and one background task.
 
-Every long-running part (consumer, producer, stores, trainer, guard) has
+Every long-running part (consumer, producer, stores, trainer, release loop) has
 `start()`/`stop()`; `AsyncLifecycle` adds `async with` on top, and
 `BackgroundTask` is the common case of a part whose work is one asyncio task
 (`start` creates it, `stop` cancels it and waits for it to finish).

@@ -145,11 +145,11 @@ def test_trainer_worker_trains_the_configured_agents_under_its_lease_owner(
         adapters_dir=tmp_path / "adapters",
         engine={"model": str(tiny_model_dir)},
         agents=[{"name": "a"}],
-        trainer={"lease_owner": "me", "guard": {"enabled": False}},
+        trainer={"lease_owner": "me"},
     )
     worker = build_trainer_worker(settings)
     try:
-        assert worker.owner == "me" and worker.guard is None
+        assert worker.owner == "me"
         assert worker.model_name == tiny_model_dir.name
         assert worker.trainer._agents() == []  # no rewards yet
     finally:

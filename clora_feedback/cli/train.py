@@ -1,4 +1,4 @@
-"""`clora train`: the continual trainer (and the regression guard) as its own process, until SIGTERM.
+"""`clora train`: the continual trainer as its own process, until SIGTERM.
 
     clora train --store-url postgresql://user:pw@db:5432/clora [--config settings.yaml]
 
@@ -9,11 +9,12 @@ It reads rewarded samples from the feedback store, publishes versions into the
 registry (the directories under the shared `adapters_dir`) and moves the active
 pointers; every gateway's deployer follows them (PostgreSQL NOTIFY, else
 polling). The model is the settings' (`engine.model`), loaded as the trainer's
-own copy. With `trainer.guard.enabled` (default) the guard runs here too: its
-rollback is a compare-and-set, so several guards never undo each other.
+own copy. On the release path (`release.enabled`, the default) its versions
+are candidates: a `clora serve` gateway's release loop gates, canaries and
+promotes them (docs/release.md).
 
-Run the `clora serve` gateways beside it with `trainer.enabled: false` (and the
-guard off) so that only trainer processes train.
+Run the `clora serve` gateways beside it with `trainer.enabled: false` so that
+only trainer processes train.
 
 Exit status: 0 after a clean stop (leases released, so others take over at once).
 
@@ -35,7 +36,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     """Add `train` to the `clora` parser's subcommands (sets `func`)."""
     p = subparsers.add_parser(
         "train",
-        help="Run the continual trainer and the guard only (a trainer worker, with leases).",
+        help="Run the continual trainer only (a trainer worker, with leases).",
         description="Train the agents whose leases this process holds, until SIGTERM/SIGINT.",
     )
     p.add_argument("--config", type=Path, help="settings file (JSON/YAML)")
@@ -46,7 +47,6 @@ def add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     p.add_argument("--model", help="base model: the default name or a HF model directory")
     p.add_argument("--owner", help="this trainer's lease owner id (default host:pid:random)")
-    p.add_argument("--no-guard", action="store_true", help="do not run the regression guard here")
     p.set_defaults(func=run_train)
 
 
@@ -58,12 +58,11 @@ def run_train(args: argparse.Namespace) -> int:
     from clora_feedback.service import build_trainer_worker
 
     try:
-        guard = {"enabled": False} if args.no_guard else None
         settings = load_settings(
             args.config,
             store_url=checked_store_url(args.store_url),
             engine={"model": args.model},
-            trainer={"lease_owner": args.owner, "guard": guard},
+            trainer={"lease_owner": args.owner},
         )
         worker = build_trainer_worker(settings)
         asyncio.run(until_signalled(worker.run))

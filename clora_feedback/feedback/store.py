@@ -5,8 +5,8 @@ It keeps facts only: each event as received, and which completions it names
 number that is the trainer's durable cursor). Rewards are not stored: the
 `RewardPolicy` given to the store turns events into per-sample rewards when
 samples are read (`training_samples`, `rewards_by_version`, `rewards_for`), so
-a new mapping applies to every stored event at once, and both sides of a
-regression-guard comparison are judged by the same policy by construction.
+a new mapping applies to every stored event at once, and both arms of a
+canary comparison are judged by the same policy by construction.
 
 At ingest the policy is asked once per judged sample, only to refuse an event
 it cannot score (a diff that does not apply, say); at read time an event the
@@ -536,8 +536,8 @@ class FeedbackStore(Generic[_Reader]):
     def rewards_by_version(self, agent: str, version: int) -> list[float]:
         """One reward per sample served by `version` of `agent`, under the current policy.
 
-        For the regression guard: a parent and a child read here are judged by the
-        same policy, whatever policy was current when either was trained.
+        For the canary (`release.canary`): both arms read here are judged by the same
+        policy, whatever policy was current when either was trained.
         """
         judged, _ = self._judged_where("agent = ? AND adapter_version = ?", (agent, version))
         ordered = sorted(judged.values(), key=lambda items: items[-1][0])

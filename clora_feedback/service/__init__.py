@@ -1,8 +1,8 @@
 """The composition root: one builder per role, every part built from `Settings` here only.
 
     build_gateway(settings)         -> Service          `clora serve`: engine, gateway, deployer,
-                                                        and (by default) trainer, guard, ingest
-    build_trainer_worker(settings)  -> TrainerWorker    `clora train`: trainer (+ guard), leases
+                                                        and (by default) trainer, release, ingest
+    build_trainer_worker(settings)  -> TrainerWorker    `clora train`: trainer, leases
     build_ingest_worker(settings)   -> IngestWorker     `clora ingest`: one Kafka consumer
 
 The roles share the parts of `service.parts`: `resolve_model` (the model
@@ -19,7 +19,8 @@ In the gateway:
     engine + trajectory store  ->  gateway (OpenAI routes)
     feedback store             <-  webhook (POST /v1/feedback)
                                <-  Kafka consumer group  <-  topics  <-  webhook producer, outside systems
-    adapter registry           <-> trainer (publishes in place), guard (rolls back), admin routes
+    adapter registry           <-> trainer (publishes candidates), release (gate, canary,
+                                   promote | abort: `service.release`), admin routes
 
 Feedback: one `FeedbackIngest` applies webhook and Kafka events, rejoins
 parked ones and dead-letters the rest; `FeedbackPipeline`
@@ -30,8 +31,8 @@ Versions: a configured agent's `adapter_path` is imported once as its
 version 1 (`parts.register_initial`, the only path for initial adapters); after
 that (and after every restart) the deployer makes the engine serve each
 agent's active registry version, so training survives restarts and an
-unloaded adapter stays unloaded. Publish, rollback (operator or guard) and
-load/unload only move the pointer, through the deployer.
+unloaded adapter stays unloaded. Promotion, rollback, publish (with the release
+path off) and load/unload only move the pointer, through the deployer.
 
 Provenance and retention: the base model's identity (`store.provenance`) is
 computed once per process and handed to the registry, which records it in

@@ -1,5 +1,5 @@
 """The gateway role (`clora serve`): engine, gateway, deployer, and (by default) the trainer,
-the guard and the feedback ingest, in one process.
+the release path (gate, canary, promote or abort) and the feedback ingest, in one process.
 
 Not here: the parts it shares with the workers (`parts`), running uvicorn for
 anything but `serve`, flags (`clora_feedback.cli.main`).
@@ -27,6 +27,7 @@ from clora_feedback.gateway.app import Component, create_app
 from clora_feedback.gateway.console import build_console_router
 from clora_feedback.gateway.feedback import build_feedback_router
 from clora_feedback.gateway.metrics import Family
+from clora_feedback.release.controller import ReleaseController
 from clora_feedback.service.parts import (
     engine_settings,
     open_registry,
@@ -37,11 +38,11 @@ from clora_feedback.service.parts import (
     resolve_model,
     trainable,
 )
+from clora_feedback.service.release import build_release, release_families, trainer_parts
 from clora_feedback.store.lease import TrainerLeases
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.retention import Retention
 from clora_feedback.store.trajectories import AsyncTrajectoryStore
-from clora_feedback.train.guard import RegressionGuard
 from clora_feedback.train.trainer import ContinualTrainer
 
 log = logging.getLogger(__name__)
@@ -126,8 +127,8 @@ class Service:
     """The feedback ingest and, when configured, its Kafka side."""
     trainer: ContinualTrainer | None
     """The continual trainer; None when training is off in this process."""
-    guard: RegressionGuard | None
-    """The regression guard; None when disabled."""
+    release: ReleaseController | None
+    """The release path (gate, canary, promote or abort); None when `release.enabled` is off."""
     deployer: Deployer | None = None
     """What makes the engine serve the registry's active pointer (when wired)."""
     settings: Settings | None = None
@@ -163,7 +164,7 @@ def gateway_deployer(settings: Settings, engine: Engine) -> Deployer:
 
 
 def build_gateway(settings: Settings) -> Service:
-    """Resolve the model and build the engine, stores, registry, deployer, trainer, guard,
+    """Resolve the model and build the engine, stores, registry, deployer, trainer, release,
     feedback paths and console: everything `clora serve` runs."""
     settings = engine_settings(settings)
     model = resolve_model(settings)
@@ -184,13 +185,15 @@ def build_gateway(settings: Settings) -> Service:
         on_installed=None if probe is None else probe.schedule,
     )
     agents = AgentRegistry(engine, deployer)  # create_app starts the deployer first
+    samples, releases = trainer_parts(settings, feedback, registry)  # the held-out reserve
     trainer = None
     if settings.trainer.enabled:  # the deployer installs versions: no trainer needed for that
         trainer = ContinualTrainer(
-            policy_model(settings, model, engine), feedback, registry, settings.trainer,
+            policy_model(settings, model, engine), samples, registry, settings.trainer,
             agents=trainable(feedback, agents.names), base_model=model.name, deployer=deployer,
             leases=TrainerLeases(registry.database, owner=settings.trainer.lease_owner,
                                  ttl_s=settings.trainer.lease_ttl_s),
+            releases=releases,
         )  # fmt: skip
     components: list[Component] = []
     pipeline = FeedbackPipeline(
@@ -200,25 +203,21 @@ def build_gateway(settings: Settings) -> Service:
     if probe is not None:
         components.append(probe)
     # Prunes old adapter payloads and (with a TTL) old trajectories, every interval.
-    retention = Retention(registry, settings.retention, trajectories=feedback.trajectories)
+    retention = Retention(
+        registry, settings.retention, trajectories=feedback.trajectories,
+        keep=None if releases is None else releases.kept,  # candidates, passed, canaries
+    )  # fmt: skip
     components.append(retention)
     if trainer is not None:
         components.append(trainer)
-    guard = None
-    if settings.trainer.guard.enabled:
-        guard = RegressionGuard(
-            registry,
-            feedback.rewards_by_version,
-            settings.trainer.guard,
-            deployer=deployer,
-            reward_policy=stores.policy.id,
-        )
-        components.append(guard)
+    release = build_release(settings, engine, registry, deployer, feedback, samples, agents)
+    if release is not None:
+        components.append(release)
     routers = [
         build_feedback_router(
             pipeline.ingest, settings, pipeline if pipeline.durable_log else None
         ),
-        build_adapters_router(registry, deployer),
+        build_adapters_router(registry, deployer, release),
     ]
     if settings.console.enabled:
         routers.append(
@@ -230,6 +229,7 @@ def build_gateway(settings: Settings) -> Service:
                 agents.names,
                 deployer,
                 replica_of=engine.replica_of,
+                releases=None if release is None else release.book.of_agent,
             )
         )
     app = create_app(
@@ -241,6 +241,8 @@ def build_gateway(settings: Settings) -> Service:
     app.state.gateway.metrics.add_source(lambda: _consumer_families(pipeline))
     app.state.gateway.feedback_bootstrap = lambda: pipeline.bootstrap  # /health, admin key
     app.state.gateway.metrics.add_source(functools.partial(_retention_families, retention, probe))
+    if release is not None:
+        app.state.gateway.metrics.add_source(functools.partial(release_families, release))
     return Service(
         app=app,
         engine=engine,
@@ -250,7 +252,7 @@ def build_gateway(settings: Settings) -> Service:
         agents=agents,
         pipeline=pipeline,
         trainer=trainer,
-        guard=guard,
+        release=release,
         deployer=deployer,
         settings=settings,
     )

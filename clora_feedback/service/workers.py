@@ -1,4 +1,4 @@
-"""The worker roles: `clora train` (the trainer and the guard, with leases) and `clora ingest`
+"""The worker roles: `clora train` (the trainer, with leases) and `clora ingest`
 (one Kafka consumer into the feedback store), each a process of its own.
 
 Not here: the gateway role (`gateway`), the shared parts (`parts`), signals and
@@ -24,9 +24,9 @@ from clora_feedback.service.parts import (
     resolve_model,
     trainable,
 )
+from clora_feedback.service.release import trainer_parts
 from clora_feedback.store.lease import TrainerLeases
 from clora_feedback.store.registry import AdapterRegistry
-from clora_feedback.train.guard import RegressionGuard
 from clora_feedback.train.trainer import ContinualTrainer
 
 log = logging.getLogger(__name__)
@@ -34,15 +34,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainerWorker:
-    """A trainer (and, with `trainer.guard.enabled`, the guard) as a process of its own.
+    """A trainer as a process of its own.
 
     It trains the agents whose trainer lease it holds, at most its fair share, on
-    its own copy of the base model; every gateway's deployer follows the pointers
-    it moves (PostgreSQL NOTIFY, else polling).
+    its own copy of the base model. On the release path (the default) it publishes
+    candidates that a gateway's release loop gates, canaries and promotes; with it
+    off, every gateway's deployer follows the pointers it moves (PostgreSQL NOTIFY,
+    else polling).
     """
 
     trainer: ContinualTrainer
-    guard: RegressionGuard | None
     registry: AdapterRegistry
     stores: Stores
     model_name: str
@@ -53,11 +54,9 @@ class TrainerWorker:
         return self.trainer.leases.owner if self.trainer.leases is not None else ""
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Start the trainer (and guard), run until `stop` is set, stop them, close the stores;
+        """Start the trainer, run until `stop` is set, stop it, close the stores;
         the leases are released on the way out, so others take over at once."""
         parts: list[AsyncLifecycle] = [self.trainer]
-        if self.guard is not None:
-            parts.append(self.guard)
         try:
             async with contextlib.AsyncExitStack() as running:
                 for part in parts:
@@ -79,23 +78,16 @@ def build_trainer_worker(settings: Settings) -> TrainerWorker:
     leases = TrainerLeases(
         registry.database, owner=settings.trainer.lease_owner, ttl_s=settings.trainer.lease_ttl_s
     )
+    samples, releases = trainer_parts(settings, stores.feedback, registry)
     trainer = ContinualTrainer(
-        policy_model(settings, model, None), stores.feedback, registry, settings.trainer,
+        policy_model(settings, model, None), samples, registry, settings.trainer,
         agents=trainable(stores.feedback, (lambda: configured) if configured else None),
-        base_model=model.name, leases=leases,
+        base_model=model.name, leases=leases, releases=releases,
     )  # fmt: skip
-    guard = None
-    if settings.trainer.guard.enabled:  # its rollback is a compare-and-set: guards never fight
-        guard = RegressionGuard(
-            registry,
-            stores.feedback.rewards_by_version,
-            settings.trainer.guard,
-            reward_policy=stores.policy.id,
-        )
     log.info(
         "trainer %s: stores %s, model %s", leases.owner, settings.store_display_url, model.name
     )
-    return TrainerWorker(trainer, guard, registry, stores, model.name)
+    return TrainerWorker(trainer, registry, stores, model.name)
 
 
 @dataclass

@@ -5,8 +5,9 @@ Modules: `state` (per-agent host-resident training state and the device slot),
 `admission` (which rewarded samples go into a step), `trainer` (the loop),
 `versions` (adapter version value types and the `AdapterStore` Protocol),
 `artifact` (one version directory on disk), `registry` (the SQLite index of
-versions and each agent's active pointer), `guard` (automatic rollback on a
-live reward regression) and `cli` (`clora adapters ...`).
+versions and each agent's active pointer) and `cli` (`clora adapters ...`).
+Judging versions (the offline gate and the canary, which replaced the
+regression guard) is the release path's: `clora_feedback.release`.
 
 Deliberately nothing is re-exported here, so importing one part never loads the others.
 """
