@@ -282,11 +282,22 @@ class KafkaConfig(BaseModel):
         "to the admin key in `/health`); a port set here that is busy stops the start with an "
         "error naming this setting.",
     )
-    corrections_topic: str = "clora.corrections"
-    resolutions_topic: str = "clora.resolutions"
-    rewards_topic: str = "clora.rewards"
-    dead_letter_topic: str = "clora.feedback.dlq"
-    group_id: str = "clora-feedback-ingest"
+    corrections_topic: str = Field(
+        "clora.corrections", description="Topic of developer corrections (key: the agent)."
+    )
+    resolutions_topic: str = Field(
+        "clora.resolutions", description="Topic of operator resolutions (key: the agent)."
+    )
+    rewards_topic: str = Field("clora.rewards", description="Topic of explicit scalar rewards.")
+    dead_letter_topic: str = Field(
+        "clora.feedback.dlq",
+        description="Where malformed, oversized or refused records go, the reason in headers.",
+    )
+    group_id: str = Field(
+        "clora-feedback-ingest",
+        description="The consumer group: every `clora ingest` (and gateway) consumer in it "
+        "shares the topics' partitions.",
+    )
     max_batch: int = Field(
         500, ge=1, description="Most records applied in one durable transaction."
     )
@@ -393,7 +404,9 @@ class KafkaConfig(BaseModel):
 class FeedbackConfig(BaseModel):
     """Feedback ingestion."""
 
-    rewards: RewardPolicyConfig = Field(default_factory=RewardPolicyConfig)
+    rewards: RewardPolicyConfig = Field(
+        default_factory=RewardPolicyConfig, description="How events become rewards."
+    )
     agent_rewards: dict[str, RewardPolicyConfig] = Field(
         default_factory=dict, description="Per-agent overrides of `rewards`."
     )
@@ -426,7 +439,9 @@ class FeedbackConfig(BaseModel):
         description="Seconds between the ingest's rounds of joining parked feedback to "
         "trajectories stored since (and dead-lettering what waited past `park_ttl_s`).",
     )
-    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    kafka: KafkaConfig = Field(
+        default_factory=KafkaConfig, description="The Kafka side: cluster, topics, consumer."
+    )
 
 
 class AdmissionConfig(BaseModel):
@@ -548,8 +563,12 @@ class ReleaseConfig(BaseModel):
     interval_s: float = Field(
         1.0, gt=0, description="Seconds between the release loop's looks at candidates and canaries."
     )
-    gate: GateConfig = Field(default_factory=GateConfig)
-    canary: CanaryConfig = Field(default_factory=CanaryConfig)
+    gate: GateConfig = Field(
+        default_factory=GateConfig, description="The offline gate a candidate passes first."
+    )
+    canary: CanaryConfig = Field(
+        default_factory=CanaryConfig, description="The live canary after the gate."
+    )
 
 
 class TrainerConfig(BaseModel):
@@ -566,8 +585,12 @@ class TrainerConfig(BaseModel):
         "unseen tasks where 2e-4 reached 17% in 12 (scripts/learning_rate_sweep.py, "
         "docs/results.md).",
     )
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0)
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW decoupled weight decay of the LoRA factors (0: plain Adam)."
+    )
+    max_grad_norm: float = Field(
+        1.0, ge=0, description="Clip each step's gradient to this global norm (0: no clipping)."
+    )
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range of the importance ratio.")
     sft_weight: float = Field(
         1.0, ge=0, description="Weight of the supervised loss on corrections."
@@ -621,7 +644,9 @@ class TrainerConfig(BaseModel):
         "supervised only on the other classes and flips between them.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL-to-base weight (0: no reference pass).")
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="When fresh samples make a mini-batch."
+    )
     trigger_interval_s: float = Field(
         60.0,
         gt=0,
@@ -656,7 +681,11 @@ class TrainerConfig(BaseModel):
         le=19,
         description="How much lower the trainer thread's CPU priority is than serving's (Linux; 0: same).",
     )
-    seed: int = 0
+    seed: int = Field(
+        0,
+        description="Seeds a new agent's LoRA initialisation (with a hash of its name) and the "
+        "replay buffer's sampling.",
+    )
     lease_ttl_s: float = Field(
         15.0,
         gt=0,
@@ -787,7 +816,13 @@ class ConsoleConfig(BaseModel):
 class AgentConfig(BaseModel):
     """An agent declared in configuration."""
 
-    name: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$",
+        description="The agent's public name: the `model` of its requests.",
+    )
     adapter_path: Path | None = Field(
         None, description="Initial PEFT adapter directory; none means the base model serves it."
     )
@@ -801,8 +836,8 @@ class Settings(BaseSettings):
         env_prefix="CLORA_", env_nested_delimiter="__", extra="ignore"
     )
 
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field("127.0.0.1", description="Address the gateway binds (`clora serve --host`).")
+    port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on (`--port`).")
     data_dir: Path = Field(Path("var"), description="SQLite databases and the model cache.")
     trajectory_db_path: Path | None = Field(
         None,
@@ -823,10 +858,19 @@ class Settings(BaseSettings):
         "under `data_dir`, one process (`trajectories.db`, `registry.db`). "
         "`clora store migrate --to URL` copies those files into an empty database.",
     )
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    agents: list[AgentConfig] = Field(default_factory=list)
-    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="The base model and the engine serving it."
+    )
+    agents: list[AgentConfig] = Field(
+        default_factory=list,
+        description="Declared agents (more can be loaded at runtime); names are unique.",
+    )
+    feedback: FeedbackConfig = Field(
+        default_factory=FeedbackConfig, description="Feedback ingestion and the reward policy."
+    )
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig, description="The continual trainer."
+    )
     release: ReleaseConfig = Field(
         default_factory=ReleaseConfig,
         description="The release path of trainer versions: offline gate, canary, promote or abort.",

@@ -1,4 +1,5 @@
-"""The `clora` command line: `serve`, `ingest`, `train`, `store`, `demo`, `feedback`, `adapters`, `bench`.
+"""The `clora` command line: `serve`, `ingest`, `train`, `store`, `demo`, `feedback`, `adapters`,
+`config`, `bench`.
 
 Argument parsing only; each subcommand hands typed settings to the component
 that does the work. Environment variables are read by `clora_feedback.config`.
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo, takes_extra=True)
 
     from clora_feedback.cli.adapters import add_adapters_parser
+    from clora_feedback.cli.config import add_config_parser
     from clora_feedback.cli.feedback import add_feedback_parser
     from clora_feedback.cli.ingest import add_ingest_parser
     from clora_feedback.cli.store import add_store_parser
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_store_parser(sub)
     add_feedback_parser(sub)
     add_adapters_parser(sub)
+    add_config_parser(sub)
 
     bench = sub.add_parser(
         "bench",
