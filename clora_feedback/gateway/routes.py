@@ -22,7 +22,7 @@ errors propagate as `CloraError` and are mapped in `errors`. Routes:
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -78,6 +78,11 @@ class GatewayState:
     trajectories: TrajectoryHandler
     feedback_bootstrap: Callable[[], str | None] = lambda: None
     """Where outside producers send feedback (`/health`, admin key); set by the service."""
+    responses: ResponsesHandler = field(init=False)
+    """The Responses API, over `chat` and `store` (built here, kept for every request)."""
+
+    def __post_init__(self) -> None:
+        self.responses = ResponsesHandler(self.chat, self.agents, self.store)
 
 
 def _state(request: Request) -> GatewayState:
@@ -115,20 +120,14 @@ async def create_completion(
     return await _answer(_state(request).completions.create(body, principal, request))
 
 
-def _responses(request: Request) -> ResponsesHandler:
-    # Built per request: it holds nothing but the chat handler and store it serves through.
-    state = _state(request)
-    return ResponsesHandler(state.chat, state.agents, state.store)
-
-
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, principal: AnyKey) -> Response:
-    return await _answer(_responses(request).create(body, principal, request))
+    return await _answer(_state(request).responses.create(body, principal, request))
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request, principal: AnyKey) -> JSONResponse:
-    return JSONResponse(await _responses(request).get(response_id, principal))
+    return JSONResponse(await _state(request).responses.get(response_id, principal))
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -141,7 +140,7 @@ async def list_input_items(
     after: str | None = None,
     include: Annotated[list[str] | None, Query()] = None,  # accepted; nothing more to add
 ) -> JSONResponse:
-    handler = _responses(request)
+    handler = _state(request).responses
     page = await handler.input_items(response_id, principal, limit=limit, order=order, after=after)
     return JSONResponse(page)
 

@@ -15,7 +15,8 @@ Consecutive whitespace is capped as in our own grammar
 replays through `chat_format` (the gateway closes a call that `max_tokens` cut
 short that way). Schemas are first compiled by our own grammar too: a schema no
 value satisfies is refused at once (400) with the same message as on the
-embedded engine, before any request is sent.
+embedded engine, before any request is sent; the n sequences of one request
+share that compile (`engine.guided.grammar_for`).
 
 Not here: the grammar itself (see `clora_feedback.chat_format`), HTTP (see `client`).
 """
@@ -25,11 +26,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from clora_feedback.chat_format.constraint import (
-    DEFAULT_MAX_WHITESPACE,
-    call_grammar,
-    object_grammar,
-)
+from clora_feedback.chat_format.constraint import DEFAULT_MAX_WHITESPACE
+from clora_feedback.engine.guided import grammar_for
 from clora_feedback.engine.types import GuidedDecoding, JSONSchema, JSONSchemaSpec, ToolCallSpec
 from clora_feedback.errors import InvalidRequestError
 
@@ -62,7 +60,7 @@ def structured_outputs(guided: GuidedDecoding) -> dict[str, Any]:
             raise InvalidRequestError(
                 f"the forced function {guided.name!r} is not among the tools", param="tool_choice"
             )
-        call_grammar(guided.functions, guided.name)  # raises for a schema no value satisfies
+        grammar_for(guided)  # raises for a schema no value satisfies (once per request)
         if guided.name is not None:
             fmt: dict[str, Any] = {
                 "type": "sequence",
@@ -85,7 +83,7 @@ def structured_outputs(guided: GuidedDecoding) -> dict[str, Any]:
                 ],
             }
     elif isinstance(guided, JSONSchemaSpec):
-        object_grammar(guided.schema)  # raises for a schema no value satisfies
+        grammar_for(guided)  # raises for a schema no value satisfies (once per request)
         fmt = _json(guided.schema)
     else:  # pragma: no cover - the union is closed
         raise InvalidRequestError(f"unknown constraint {guided!r}")
