@@ -53,3 +53,37 @@ async def test_pipeline_stops_cleanly_while_the_group_is_joining(
     await pipeline.start()
     assert not pipeline.joined.is_set()
     await pipeline.stop()  # no unclosed consumer is left behind (warnings are errors)
+
+
+async def test_start_up_reads_no_weights_and_a_first_request_reads_one(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from clora_feedback.config import EngineConfig
+    from clora_feedback.engine.deployer import Deployer
+    from clora_feedback.engine.embedded import EmbeddedEngine
+    from clora_feedback.engine.types import GenerationRequest, SamplingParams
+    from clora_feedback.lora.peft_io import save_peft_adapter
+    from clora_feedback.lora.weights import random_lora_weights
+    from clora_feedback.store.registry import AdapterRegistry
+
+    engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_num_seqs=2, max_model_len=128))
+    agents = [f"agent-{i}" for i in range(5)]
+    with AdapterRegistry(tmp_path / "adapters", tmp_path / "registry.db") as registry:
+        for i, agent in enumerate(agents):
+            weights = random_lora_weights(engine.lora_limits, seed=i, std=0.3)
+            save_peft_adapter(weights, tmp_path / "src" / agent, base_model="tiny")
+            registry.register_initial(agent, tmp_path / "src" / agent, limits=engine.lora_limits)
+        deployer = Deployer(engine, registry)
+        await engine.start()
+        try:
+            await deployer.start()
+            assert {a: deployer.serving(a) for a in agents} == dict.fromkeys(agents, 1)
+            assert engine.adapters() == dict.fromkeys(agents, 1)
+            assert engine.host_cache_stats()["reads"] == 0  # pointers and manifests only
+            request = GenerationRequest("r", "agent-3", [1, 2, 3], SamplingParams(max_tokens=3))
+            chunks = await engine.add_request(request).collect()
+            assert [t.adapter_version for c in chunks for t in c.tokens] == [1, 1, 1]
+            assert engine.host_cache_stats()["reads"] == 1  # this agent's, on its request
+        finally:
+            await deployer.stop()
+            await engine.stop()

@@ -57,6 +57,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
@@ -169,6 +170,8 @@ class Deployer(BackgroundTask):
     async def start(self) -> None:
         """Bring every agent to its pointer, then follow the pointers in the background."""
         self._loop = asyncio.get_running_loop()
+        if self._lazy is not None:
+            await self._register_all()
         await self.reconcile()
         await super().start()
         if self.listen_url is not None and self._listener is None:
@@ -188,6 +191,41 @@ class Deployer(BackgroundTask):
         await super().stop()
         if self._on_stop is not None:
             self._on_stop()
+
+    async def _register_all(self) -> None:
+        """Start-up on a lazy engine: every active version registered by its directory in
+        one pass off the event loop (a registry row, a manifest, an adapter config and a
+        safetensors header per agent; no weights), so start-up is O(agents) in metadata.
+        A version that cannot serve is logged and left to `reconcile`'s rules."""
+        lazy = self._lazy
+        assert lazy is not None
+
+        def register() -> list[tuple[str, int]]:
+            done = []
+            for info in self.registry.agents():
+                agent, version = info.agent, info.active_version
+                if version is None:
+                    continue
+                try:
+                    path = self.registry.check_loadable(agent, version).path
+                    lazy.register_adapter(agent, version, path)
+                except CloraError as exc:
+                    log.error("agent %s: cannot serve active version %s (%s)", agent, version,
+                              exc.message)  # fmt: skip
+                    self._failed[agent] = version
+                    continue
+                done.append((agent, version))
+            return done
+
+        t0 = time.perf_counter()
+        async with self._moving():
+            done = await asyncio.to_thread(register)
+        for agent, version in done:
+            self._serving[agent] = version
+            if self._on_installed is not None:
+                self._on_installed(agent, version)
+        log.info("deployer: %d agents registered by directory in %.2f s (weights read on "
+                 "first use)", len(done), time.perf_counter() - t0)  # fmt: skip
 
     def _on_notified(self, agent: str) -> None:
         """A pointer moved (`NOTIFY`): sync that agent now, off the listener's loop."""
