@@ -27,6 +27,7 @@ import torch
 
 from clora_feedback.config import EngineConfig
 from clora_feedback.engine.decoder import KVCache, SlottedDecoder
+from clora_feedback.hardware import DTYPES
 from clora_feedback.lora.ops import LoRABatch, add_lora_update_
 from clora_feedback.lora.weights import random_lora_weights
 
@@ -39,7 +40,7 @@ def profile(model_dir: Path, dtype: str, reps: int) -> dict[str, float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _profile(model_dir, getattr(torch, dtype), reps)
+        return _profile(model_dir, DTYPES[dtype], reps)
     finally:
         torch.set_num_threads(threads)
 
@@ -63,8 +64,8 @@ def _profile(model_dir: Path, dtype: torch.dtype, reps: int) -> dict[str, float]
     fan_in = {"qkv": model.config.hidden_size, "o": model.config.hidden_size,
               "gate_up": model.config.hidden_size, "down": model.config.intermediate_size}  # fmt: skip
     groups = model.slots[0]
-    xs = {g: torch.randn(ROWS, fan_in[g]).to(model.compute_dtype) for g in groups}
-    ys = {g: torch.zeros(ROWS, groups[g].out_features, dtype=model.compute_dtype) for g in groups}
+    xs = {g: torch.randn(ROWS, fan_in[g]).to(model.lora_dtype) for g in groups}
+    ys = {g: torch.zeros(ROWS, groups[g].out_features, dtype=model.lora_dtype) for g in groups}
 
     def lora(slots: list[int], rank: int) -> Callable[[], object]:
         batch = LoRABatch.from_slots(slots, rank=rank)

@@ -262,8 +262,14 @@ class SlottedDecoder:
         self._dense = DenseKernels.build(
             [{g: layer[g] for g, _ in GROUPS} for layer in base.layers], base.lm_head
         )
-        # The dtype projections compute in (fp32 for `upcast`); adapter slots are kept in it.
+        # The dtype projections compute in (fp32 for `upcast`).
         self.compute_dtype = self._dense.compute_dtype
+        # Adapter slots and the LoRA update: fp32 on a CPU even when the base is bf16. The
+        # update is a few rows times rank-r factors, where torch's bf16 kernels cost 2-4x
+        # their fp32 twins (oneDNN's fixed cost per call); in bf16 a mixed batch's update
+        # took 23 ms of a 62 ms decode step, in fp32 11 ms (docs/benchmarks.md).
+        cpu_bf16 = self.device.type == "cpu" and self.compute_dtype == torch.bfloat16
+        self.lora_dtype = torch.float32 if cpu_bf16 else self.compute_dtype
         shapes = self.config.projection_shapes()
         self.slots: list[dict[str, LoRASlots]] = []
         for _ in range(self.config.num_layers):
@@ -276,7 +282,7 @@ class SlottedDecoder:
                         shapes[members[0]][0],
                         self.num_slots,
                         max_lora_rank,
-                        self.compute_dtype,
+                        self.lora_dtype,
                         self.device,
                     )
             self.slots.append(group_slots)
@@ -323,8 +329,8 @@ class SlottedDecoder:
                         pair = weights.tensors.get(module_key(i, name))
                         if pair is not None:
                             pieces[name] = (
-                                pair[0].to(self.device, self.compute_dtype),
-                                pair[1].to(self.device, self.compute_dtype),
+                                pair[0].to(self.device, self.lora_dtype),
+                                pair[1].to(self.device, self.lora_dtype),
                             )
                     slots.write(slot, pieces, weights.scaling)
             self.slot_ranks[slot] = max(
@@ -353,8 +359,13 @@ class SlottedDecoder:
         if bias is not None:
             y += bias
         slots = self.slots[layer].get(group)
-        if slots is not None:
-            add_lora_update_(y, xc, slots.a, slots.blocks, lora)
+        if slots is not None and not lora.is_base_only:
+            if self.lora_dtype == y.dtype:
+                add_lora_update_(y, xc, slots.a, slots.blocks, lora)
+            else:  # fp32 update of a bf16 projection (see `lora_dtype`), added once
+                update = torch.zeros(y.shape, dtype=self.lora_dtype, device=y.device)
+                add_lora_update_(update, xc.to(self.lora_dtype), slots.a, slots.blocks, lora)
+                y += update
         return y.to(self.dtype)
 
     def _fast_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
