@@ -21,6 +21,11 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages([str(ROOT)], prefix="clor
 # Lower layers must not reach up into higher ones (or into HTTP/Kafka/vLLM).
 FORBIDDEN = {
     "clora_feedback.errors": ("clora_feedback.", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.lifecycle": ("clora_feedback.", "torch", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.priority": ("clora_feedback.", "torch", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.heap": ("clora_feedback.", "torch", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.hardware": ("clora_feedback.", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.config_reference": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "fastapi"),
     "clora_feedback.config": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "fastapi"),
     "clora_feedback.schemas": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.store", "clora_feedback.feedback", "fastapi", "aiokafka"),
     "clora_feedback.chat_format": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.store", "clora_feedback.feedback", "clora_feedback.lora", "torch", "fastapi", "aiokafka", "vllm"),
@@ -33,6 +38,9 @@ FORBIDDEN = {
     "clora_feedback.release": ("clora_feedback.gateway", "clora_feedback.train", "clora_feedback.service", "clora_feedback.cli", "fastapi", "aiokafka"),
     "clora_feedback.gateway": ("clora_feedback.service", "clora_feedback.cli", "clora_feedback.client", "clora_feedback.demo", "clora_feedback.bench"),
     "clora_feedback.client": ("clora_feedback.feedback.kafka", "clora_feedback.gateway", "clora_feedback.service", "fastapi"),
+    "clora_feedback.integrations": ("clora_feedback.feedback", "clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.service", "fastapi", "aiokafka"),
+    "clora_feedback.service": ("clora_feedback.cli", "clora_feedback.demo", "clora_feedback.bench"),
+    "clora_feedback.demo": ("clora_feedback.cli", "clora_feedback.bench"),
     # `clora bench` drives a running gateway from outside; benchmarks of engine and trainer
     # internals live in the repository's top-level benchmarks/, outside the package.
     "clora_feedback.bench": ("clora_feedback.engine.embedded", "clora_feedback.engine.decoder", "clora_feedback.engine.slots", "clora_feedback.engine.prefix_cache", "clora_feedback.model.decoder", "clora_feedback.train.step", "clora_feedback.train.state", "clora_feedback.train.forward", "clora_feedback.train.loss", "clora_feedback.lora.ops", "benchmarks"),
@@ -191,3 +199,39 @@ def test_no_extra_installs_vllm_into_this_environment() -> None:
     extras = _project()["optional-dependencies"]
     for name, requirements in extras.items():
         assert name != "vllm" and not any(r.startswith("vllm") for r in requirements), name
+
+
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+WORDS = {"clora_feedback.": "the package", "fastapi": "HTTP", "aiokafka": "Kafka", "vllm": "vLLM",
+         "torch": "torch", "benchmarks": "benchmarks/"}  # fmt: skip
+"""How docs/architecture.md's room table names what a FORBIDDEN row lists."""
+
+
+def _room_table() -> dict[str, set[str]]:
+    """docs/architecture.md's rooms: `clora_feedback.<room>` -> its "must not import" words."""
+    text = ARCHITECTURE.read_text()
+    section = text.split("## Rooms, lowest layer first", 1)[1].split("\n## ", 1)[0]
+    rooms: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if len(cells) != 3 or cells[0] in ("room", "---"):
+            continue
+        for room in re.findall(r"`([a-z_]+)(?:\.py|/)`", cells[0]):
+            words = {w.strip() for w in cells[2].split(",")} - {"-", ""}
+            rooms[f"clora_feedback.{room}"] = words
+    return rooms
+
+
+def _words(forbidden: tuple[str, ...]) -> set[str]:
+    return {WORDS.get(f, f.removeprefix("clora_feedback.")) for f in forbidden}
+
+
+def test_the_architecture_room_table_lists_every_room() -> None:
+    tops = {".".join(m.split(".")[:2]) for m in MODULES} | {"clora_feedback.errors", "clora_feedback.config"}  # fmt: skip
+    assert set(_room_table()) == tops
+
+
+def test_the_architecture_room_table_states_each_rooms_rule() -> None:
+    table = _room_table()
+    for room, words in table.items():
+        assert words == _words(FORBIDDEN.get(room, ())), room
