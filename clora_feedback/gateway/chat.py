@@ -177,14 +177,18 @@ class ChoiceChunk:
 def closing_suffix(prompt: ChatPrompt, choice: ChoiceState) -> str:
     """Text that completes a call left open at the end of `choice` ("" when none is).
 
-    Only then is the calls' grammar built: the engine compiled its own copy to
-    constrain the tokens, and it stays inside the engine.
+    A call is left open when `max_tokens` cut the choice, or when a stop string
+    cut a call the model chose (`<tool_call>` without its `</tool_call>`; a
+    forced call ignores stop strings and ends at its object's `}`). Only then is
+    the calls' grammar built: the engine compiled its own copy to constrain the
+    tokens, and it stays inside the engine.
     """
     spec = prompt.guided
     if not isinstance(spec, ToolCallSpec):
         return ""
     text = prompt.forced_prefix + choice.text
-    if text.rfind(CALL_OPEN) <= text.rfind(CALL_CLOSE):
+    cut_by_stop = spec.mode == "on_trigger" and text.rfind(CALL_OPEN) > text.rfind(CALL_CLOSE)
+    if choice.finish_reason != "length" and not cut_by_stop:
         return ""
     grammar: Grammar = (
         call_grammar(spec.functions, spec.name)
