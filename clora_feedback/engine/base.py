@@ -74,7 +74,7 @@ class Engine(Protocol):
         compile (see `capabilities`) or a schema it cannot satisfy."""
         ...
 
-    def add_requests(self, requests: Sequence[GenerationRequest]) -> list[RequestStream]:
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> Sequence[RequestStream]:
         """Queue several requests for the same step (the choices of one completion request):
         each is checked as `add_request` checks it, and all are queued or none is."""
         ...
