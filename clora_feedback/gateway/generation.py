@@ -94,32 +94,15 @@ class SamplingControls(Protocol):
     """The sampling controls of a request (both OpenAI request models have them); None
     means the default (temperature and top_p 1, the rest off)."""
 
-    @property
-    def temperature(self) -> float | None: ...
-
-    @property
-    def top_p(self) -> float | None: ...
-
-    @property
-    def seed(self) -> int | None: ...
-
-    @property
-    def frequency_penalty(self) -> float | None: ...
-
-    @property
-    def presence_penalty(self) -> float | None: ...
-
-    @property
-    def logit_bias(self) -> dict[str, float] | None: ...
-
-    @property
-    def top_k(self) -> int | None: ...
-
-    @property
-    def min_tokens(self) -> int | None: ...
-
-    @property
-    def ignore_eos(self) -> bool | None: ...
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    logit_bias: dict[str, float] | None
+    top_k: int | None
+    min_tokens: int | None
+    ignore_eos: bool | None
 
 
 def plan_sampling(
