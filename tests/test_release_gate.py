@@ -208,6 +208,13 @@ async def test_controller_rejects_canaries_aborts_promotes_and_restores(
     assert again.canaries() == {"a": (good, 0.5)}
     await again.stop()
 
+    # An operator gates another version while the canary runs: it passes and waits.
+    waiting = registry.publish("a", _faithful(engine), optimizer_state=None, base_model="t",
+                               parent=None, step=2, metrics={}, feedback_window=None,
+                               activate=False).version  # fmt: skip
+    assert (await release.gate_now("a", waiting)).verdict == "passed"
+    assert book.get("a", waiting).state == "passed" and release.canaries()["a"][0] == good  # type: ignore[union-attr]
+
     rewards.by_version = {0: [1.0, 1.0, 1.0, 0.0] * 10, good: [0.0] * 8}  # worse live
     await release.look()
     record = book.get("a", good)
@@ -215,6 +222,11 @@ async def test_controller_rejects_canaries_aborts_promotes_and_restores(
     assert (
         record.evidence["canary"]["n_canary"] == 8 and record.evidence["canary"]["routed_here"] > 0
     )
+    # In the same look, the version an operator gated is canaried, not gated again.
+    assert release.canaries() == {"a": (waiting, 0.5)}
+    assert release.route("a", routed[0]) == (arms.canary_name("a"), waiting)
+    await release.abort("a", reason="operator test")
+    assert book.get("a", waiting).state == "aborted"  # type: ignore[union-attr]
     assert release.route("a", routed[0]) is None and deployer.arms() == {}
 
     better = _candidate(registry, book, _faithful(engine))

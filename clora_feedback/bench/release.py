@@ -20,6 +20,9 @@ Three phases:
    served are counted against the requests of its agent meanwhile (bounded by
    `canary.share` until the sequential test fires).
 
+The agent is pinned for phases 2 and 3 (its trainer publishes nothing newer that
+would take the bad candidate's turn), once any running canary has ended.
+
 It prints a table and writes `release.json` under `--out`. A program, not a test:
 its figures go to `docs/benchmarks.md`.
 
@@ -167,7 +170,8 @@ def _reason(v: dict[str, Any]) -> str:
 
 def _publish_candidate(server: LocalServer, collapsed: bool) -> int:
     """A candidate on top of serving, as the trainer writes one (no release record: only
-    the operator's gate releases it)."""
+    the operator's gate releases it). The agent is pinned meanwhile (the trainer publishes
+    nothing newer that would take its turn); the publish itself unpins for an instant."""
     registry = server.service.registry
     active = registry.active(AGENT)
     if collapsed or active is None:
@@ -175,16 +179,31 @@ def _publish_candidate(server: LocalServer, collapsed: bool) -> int:
         weights = random_lora_weights(limits, rank=8, seed=7, std=1.0 if collapsed else 1e-6)
     else:
         weights, _ = registry.load(AGENT, active.version, limits=server.service.engine.lora_limits)
-    info = registry.publish(AGENT, weights, optimizer_state=None, base_model="bench",
-                            parent=None if active is None else active.version, step=0,
-                            metrics={}, feedback_window={"source": "clora bench release"},
-                            activate=False)  # fmt: skip
+    registry.unpin(AGENT)
+    try:
+        info = registry.publish(AGENT, weights, optimizer_state=None, base_model="bench",
+                                parent=None if active is None else active.version, step=0,
+                                metrics={}, feedback_window={"source": "clora bench release"},
+                                activate=False)  # fmt: skip
+    finally:
+        registry.pin(AGENT)
     return int(info.version)
+
+
+async def _quiet(admin: httpx.AsyncClient, timeout_s: float) -> None:
+    """Pin the agent (its trainer stops publishing) and wait for a running canary to end."""
+    await admin.post(f"/v1/adapters/{AGENT}/pin")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_state(v) in ("canary", "passed") for v in await _versions(admin)):
+            return
+        await asyncio.sleep(1.0)
 
 
 async def _release(admin: httpx.AsyncClient, server: LocalServer, live: Live, *, collapsed: bool,
                    timeout_s: float) -> dict[str, Any]:  # fmt: skip
     """Phases 2 and 3: publish a bad candidate, release it by the operator route, wait."""
+    await _quiet(admin, timeout_s)
     version = await asyncio.to_thread(_publish_candidate, server, collapsed)
     if not collapsed:
         live.bad_version = version
@@ -233,6 +252,7 @@ async def _run(server: LocalServer, args: argparse.Namespace, run: ReleaseRun) -
         run.collapsed = await _release(admin, server, live, collapsed=True, timeout_s=300)
         run.worse_live = await _release(admin, server, live, collapsed=False,
                                         timeout_s=args.canary_timeout)  # fmt: skip
+        await admin.post(f"/v1/adapters/{AGENT}/unpin")
         metrics = (await admin.get("/metrics")).text
         for line in metrics.splitlines():
             if line.startswith("clora_release_gate_cpu_seconds_total"):
@@ -270,7 +290,7 @@ def run(argv: Sequence[str]) -> int:
     from clora_feedback.model.resolve import resolve_model_dir
     from clora_feedback.service import build_service
 
-    for name in ("httpx", "openai", "uvicorn.access"):
+    for name in ("httpx", "httpx2", "openai", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)
     model_dir = resolve_model_dir(args.model or DEFAULT_MODEL, Settings().model_cache_dir)
     work = args.work or Path(tempfile.mkdtemp(prefix="clora-bench-release-"))

@@ -7,7 +7,8 @@ Every `release.interval_s`, per agent:
    version, then the pointer and the state move in one transaction), abort (the
    canary's share drops to 0 in this process at once, then the state is recorded
    with the evidence and the arm unloaded), or wait;
-2. otherwise its newest `candidate` is taken (older waiting ones become `skipped`:
+2. otherwise its newest `candidate` (or `passed`: gated by an operator while a canary
+   ran, canaried now without a second evaluation) is taken (older waiting ones become `skipped`:
    evaluating only the newest keeps the gate's cost per candidate, not per step) and
    judged offline against what serves (`gate.OfflineGate`) with the candidate loaded
    under `arms.gate_name`; `passed` starts a canary (`canary.enabled`) or promotes at
@@ -155,6 +156,7 @@ class ReleaseController(BackgroundTask):
             async with self._busy:
                 await self._judge_canary(agent)
         waiting = await asyncio.to_thread(self.book.in_state, "candidate")
+        waiting += await asyncio.to_thread(self.book.in_state, "passed")
         retry = await asyncio.to_thread(self.book.in_state, "invalid")
         agents = sorted({r.agent for r in waiting} | {r.agent for r in retry})
         for agent in agents:
@@ -208,14 +210,16 @@ class ReleaseController(BackgroundTask):
         else:
             await self._promote(agent, record.version, serving, "canary", decision.evidence)
 
-    async def _abort(self, agent: str, record: ReleaseRecord, decision: CanaryDecision) -> None:
+    async def _abort(
+        self, agent: str, record: ReleaseRecord, decision: CanaryDecision, stage: str = "canary"
+    ) -> None:
         self._canaries.pop(agent, None)  # share 0 here at once, before anything is written
         await asyncio.to_thread(
             self.book.record, agent, record.version, "aborted",
-            stage="canary", evidence=decision.evidence, expect={"canary"},
+            stage=stage, evidence=decision.evidence, expect={"canary"},
         )  # fmt: skip
         await self.deployer.unload_arm(arms.canary_name(agent))
-        self.verdicts[("canary", "aborted")] += 1
+        self.verdicts[(stage, "aborted")] += 1
         log.warning("agent %s: canary v%d aborted: %s", agent, record.version, decision.reason)
 
     async def _promote(
@@ -241,13 +245,20 @@ class ReleaseController(BackgroundTask):
         info = await asyncio.to_thread(self.registry.agent, agent)
         active = info.active_version or 0
         newest = max(records) if records else None
-        waiting = sorted(v for v, r in records.items() if r.state == "candidate")
+        waiting = sorted(v for v, r in records.items() if r.state in ("candidate", "passed"))
         for old in waiting[:-1]:
             await asyncio.to_thread(
                 self.book.record, agent, old, "skipped",
                 stage="gate", evidence={"reason": f"v{waiting[-1]} is newer"},
-                expect={"candidate"},
+                expect={"candidate", "passed"},
             )  # fmt: skip
+        if waiting and records[waiting[-1]].state == "passed":  # gated while a canary ran
+            if self.canary_settings is None:
+                evidence = {"reason": "passed the gate; canary off"}
+                await self._promote(agent, waiting[-1], active, "gate", evidence)
+            else:
+                await self._start_canary(agent, waiting[-1], active)
+            return
         if waiting:
             version = waiting[-1]
         elif newest is not None and await self._retry_due(agent, records[newest]):
@@ -365,13 +376,14 @@ class ReleaseController(BackgroundTask):
             if record is None:
                 raise NotFoundError(f"agent {agent!r} has no canary", code="no_canary")
             decision = CanaryDecision("abort", reason, {"reason": reason, "by": "operator"})
-            await self._abort(agent, record, decision)
+            await self._abort(agent, record, decision, stage="operator")
             return record.version
 
     async def gate_now(self, agent: str, version: int) -> GateVerdict:
         """Run the offline gate on `version` against what serves now (an operator's release
         of that version), recording the verdict; a pass starts its canary as the loop would
-        (when the canary is on and none runs for the agent), else promotes it.
+        (canary off: promotes it); while another canary runs it stays `passed`, and the
+        loop canaries it after that one ends unless a newer candidate came.
 
         Raises:
             NotFoundError: unknown agent or version.

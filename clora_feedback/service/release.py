@@ -103,7 +103,7 @@ def release_families(controller: ReleaseController) -> list[Family]:
         Family(
             "clora_release_verdicts_total", "counter",
             "Release verdicts since start: gate passed|failed|invalid, canary "
-            "started|promoted|aborted, operator promoted.",
+            "started|promoted|aborted, operator promoted|aborted.",
             ("stage", "verdict"), dict(controller.verdicts),
         ),
         Family(
