@@ -34,6 +34,15 @@ that fails to load here is logged, the previous one keeps serving (`serving`
 says so), and it is not retried until the pointer moves again. The watcher never
 moves the pointer back: other engines may serve it.
 
+Start-up and every move on an engine that reads adapters lazily (the embedded
+one, `LazyAdapters`) read metadata only: the version is checked
+(`check_loadable`: its row and manifest) and registered by its directory, and
+the engine reads the weights when a request first needs them (its host cache,
+`engine.host_adapter_cache_mb`, may drop them again and re-read them later).
+At start-up every agent is registered in one pass off the event loop. A
+trainer's hand-off is served from memory and named by its directory once the
+registry has written it, so it too may leave the host cache.
+
 Every load is checked first (`AdapterRegistry.check_loadable` / `load`,
 `check_source` for a runtime load): a version whose payload retention pruned,
 or whose manifest records another base model (weights, tokenizer, chat
