@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +65,7 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 def run_ingest(args: argparse.Namespace) -> int:
     """Run one consumer; prints its metrics as JSON on exit. Returns the exit status."""
+    from clora_feedback.cli.common import until_signalled
     from clora_feedback.errors import CloraError
     from clora_feedback.service import build_ingest_worker
 
@@ -82,6 +81,7 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 def ingest_settings(args: argparse.Namespace) -> Settings:
     """The settings (file, environment) with this command's flags laid over them."""
+    from clora_feedback.cli.common import checked_store_url
     from clora_feedback.config import load_settings
 
     kafka = {
@@ -101,31 +101,3 @@ def ingest_settings(args: argparse.Namespace) -> Settings:
         feedback=feedback,
         agents=agents,
     )
-
-
-def checked_store_url(url: str | None) -> str | None:
-    """`url` if it is a PostgreSQL URL, by the settings' own rule (None: not given)."""
-    from pydantic import ValidationError
-
-    from clora_feedback.config import Settings
-    from clora_feedback.errors import InvalidRequestError
-
-    if url is None:
-        return None
-    try:
-        checked = Settings(store_url=url).store_url
-    except ValidationError as exc:
-        message = exc.errors()[0]["msg"]
-        raise InvalidRequestError(f"--store-url: {message}", param="store_url") from exc
-    if checked is None:  # blank text: the setting's "unset"
-        raise InvalidRequestError("--store-url is empty", param="store_url")
-    return checked
-
-
-async def until_signalled(run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """`run(stop)` with `stop` set on SIGTERM or SIGINT (a worker's `run`)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await run(stop)

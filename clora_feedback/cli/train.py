@@ -52,7 +52,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 def run_train(args: argparse.Namespace) -> int:
     """Run one trainer worker until signalled. Returns the exit status."""
-    from clora_feedback.cli.ingest import checked_store_url, until_signalled
+    from clora_feedback.cli.common import checked_store_url, until_signalled
     from clora_feedback.config import load_settings
     from clora_feedback.errors import CloraError
     from clora_feedback.service import build_trainer_worker
