@@ -356,10 +356,15 @@ class _Stream:
 
         Each prefix copy attends causally to itself; each row attends to its run's
         prefix copy and causally to its own tokens (right padding is never seen by a
-        real token).
+        real token). On a CPU attention computes in fp32 whatever the compute dtype.
         """
         c = base.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        out_dtype = qk.dtype
+        if qk.device.type == "cpu" and out_dtype != torch.float32:
+            # torch's CPU flash attention runs 2x slower forward and backward in bf16 than
+            # in fp32 at these sizes (a third of a bf16 step), and q, k, v are small.
+            qk, v = qk.float(), v.float()
         q, k = qk.split([heads, kv], dim=1)
         v = v.view(-1, kv, d)
 
@@ -372,7 +377,8 @@ class _Stream:
 
         if not self.prefix:
             q, k, v = (rows_of(x, self.rows, self.width) for x in (q, k, v))
-            return back(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return back(attn).to(out_dtype)
         n, p, w = self.copies, self.prefix, self.width
         (q_p, q_r), (k_p, k_r), (v_p, v_r) = (x.split([n * p, self.rows * w]) for x in (q, k, v))
         q_p, k_p, v_p = (rows_of(x, n, p) for x in (q_p, k_p, v_p))
@@ -382,7 +388,7 @@ class _Stream:
         values = torch.cat([v_p.index_select(0, self.owner), v_r], dim=2)
         allowed = torch.ones(w, p + w, dtype=torch.bool, device=q.device).tril(p)
         attn = F.scaled_dot_product_attention(q_r, keys, values, attn_mask=allowed, enable_gqa=True)
-        return torch.cat([back(attn_p), back(attn)])
+        return torch.cat([back(attn_p), back(attn)]).to(out_dtype)
 
     def scored(self, mask: torch.Tensor) -> torch.Tensor:
         """Stream index of each scored position of `mask` [B, T] (row-major)."""
