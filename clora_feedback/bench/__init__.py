@@ -8,7 +8,9 @@ vLLM), `ingest` (feedback from a real broker into the store), `experiments`
 `learning` (held-out accuracy against wall time on task families the repo was
 not tuned for, default trainer settings), `release` (the release path end to end:
 time to a promoted version, a collapsed candidate rejected, a worse-live canary
-aborted, and their exposure). Benchmarks are programs, not tests:
+aborted, and their exposure), `agents` (8, 100 and 1,000 agents with their own
+adapters: throughput, cold and warm time to first token, start-up, memory per
+idle agent). Benchmarks are programs, not tests:
 their figures are recorded in `docs/benchmarks.md`.
 
 Not here: the white-box benchmarks of engine and trainer internals (training
@@ -31,6 +33,7 @@ BENCHMARKS = {
     "scaleout": "scaleout",
     "learning": "learning",
     "release": "release",
+    "agents": "agents",
 }
 """The names `run_bench` accepts, and the module of this package that runs each."""
 
