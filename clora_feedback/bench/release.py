@@ -179,7 +179,8 @@ def _publish_candidate(server: LocalServer, collapsed: bool) -> int:
         weights = random_lora_weights(limits, rank=8, seed=7, std=1.0 if collapsed else 1e-6)
     else:
         weights, _ = registry.load(AGENT, active.version, limits=server.service.engine.lora_limits)
-    registry.unpin(AGENT)
+    if any(a.agent == AGENT for a in registry.agents()):  # else nothing published yet
+        registry.unpin(AGENT)
     try:
         info = registry.publish(AGENT, weights, optimizer_state=None, base_model="bench",
                                 parent=None if active is None else active.version, step=0,
@@ -249,7 +250,8 @@ async def _run(server: LocalServer, args: argparse.Namespace, run: ReleaseRun) -
     ]  # fmt: skip
     try:
         await _learn(server, admin, workload, held_out, client, args.minutes, live, run)
-        run.collapsed = await _release(admin, server, live, collapsed=True, timeout_s=300)
+        run.collapsed = await _release(admin, server, live, collapsed=True,
+                                       timeout_s=args.canary_timeout)  # fmt: skip
         run.worse_live = await _release(admin, server, live, collapsed=False,
                                         timeout_s=args.canary_timeout)  # fmt: skip
         await admin.post(f"/v1/adapters/{AGENT}/unpin")
@@ -274,7 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think", type=float, default=1.0, help="Mean pause between a user's requests.")
     p.add_argument("--held-out", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--canary-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--canary-timeout", type=float, default=600.0,
+        help="How long each bad candidate may take to be decided (seconds).",
+    )  # fmt: skip
     p.add_argument("--model", default=None, help="Default: the embedded default model.")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--work", type=Path, default=None, help="Data directory (default: a temp dir).")

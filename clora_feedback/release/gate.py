@@ -19,8 +19,8 @@ Cost, bounded: at most `gate.max_cases` cases x 2 versions, each at most
 all within `gate.timeout_s`. The requests join the same decode batches as live
 traffic (no pause of any agent); serving's answers are cached per (version, case),
 so a chain of candidates against one serving version pays for serving once.
-On this box's 2 cores with SmolLM2-135M, 24 cases x 2 arms of ~10 tokens took
-about 4 s of engine time (docs/release.md).
+Measured on this box's 2 shared cores with SmolLM2-135M beside live traffic and the
+trainer (`clora bench release`): 24 cases x 2 versions in 7-17 s wall per evaluation.
 
 Not here: which versions to judge and what follows a verdict (`controller`), loading
 the candidate into the engine (the deployer), the case split (`evalset`).
