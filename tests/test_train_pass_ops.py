@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clora_feedback.train.forward import PackedBatch, TrainLoRA
+from clora_feedback.train.forward import PackedBatch, TrainLoRA, prefixed_attention
 from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.state import LoRALayout, init_lora
 
@@ -75,5 +76,31 @@ def test_pass_has_no_zero_filled_gradients_and_one_matmul_pair_per_group(
         assert ops["slice_backward"] == 0
         # Per layer and group: base GEMM + LoRA shrink + expand forward; input gradient of
         # the base, and for each LoRA matmul its two gradients, backward: 3 + 1 + 4 = 8.
-        matmuls = ops["mm"] + ops["addmm"] + ops["bmm"] + ops["linear"]
+        matmuls = ops["mm"] + ops["addmm"]  # the projections' (attention's are batched)
         assert matmuls <= 8 * 4 * layers + 4, dict(ops)
+
+
+def test_prefixed_attention_matches_attention_over_copied_prefix_keys() -> None:
+    """The fast path against its plain reference: SDPA over each row's copy of its run's
+    prefix keys and values, then its own, masked causally after the prefix."""
+    gen = torch.Generator().manual_seed(0)
+    run_rows, heads, kv, p, w, d = [2, 3], 6, 2, 5, 4, 8
+    rows = sum(run_rows)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).requires_grad_(True)
+
+    q, k, v = leaf(rows, heads, w, d), leaf(rows, kv, w, d), leaf(rows, kv, w, d)
+    k_p, v_p = leaf(len(run_rows), kv, p, d), leaf(len(run_rows), kv, p, d)
+    weights = torch.randn(rows, heads, w, d, generator=gen)
+    fast = prefixed_attention(q, k_p, v_p, k, v, run_rows)
+    grads_fast = torch.autograd.grad((fast * weights).sum(), [q, k, v, k_p, v_p])
+    owner = torch.repeat_interleave(torch.arange(len(run_rows)), torch.tensor(run_rows))
+    keys = torch.cat([k_p.index_select(0, owner), k], dim=2)
+    values = torch.cat([v_p.index_select(0, owner), v], dim=2)
+    allowed = torch.ones(w, p + w, dtype=torch.bool).tril(p)
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
+    grads_ref = torch.autograd.grad((ref * weights).sum(), [q, k, v, k_p, v_p])
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads_fast, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -310,7 +310,7 @@ class _Stream:
         rows, width: B rows of `width` = T - P tokens each (the rows part of the stream).
         prefix: P (0: no shared prefix).
         copies: R prefix copies (one per agent run; 0 without a shared prefix).
-        owner: [B] the prefix copy (run) each row attends to.
+        run_rows: how many rows each run has (prefix copy i is read by run i's rows).
     """
 
     tokens: torch.Tensor
@@ -319,7 +319,7 @@ class _Stream:
     width: int
     prefix: int
     copies: int
-    owner: torch.Tensor
+    run_rows: list[int]
 
     @classmethod
     def build(cls, ids: torch.Tensor, prefix: int, runs: list[tuple[int, int, int]]) -> _Stream:
@@ -333,10 +333,8 @@ class _Stream:
                 torch.arange(prefix, t, device=dev).repeat(b),
             ]
         )
-        owner = torch.tensor(
-            [i for i, (_, start, end) in enumerate(runs) for _ in range(start, end)], device=dev
-        )
-        return cls(tokens, positions, b, t - prefix, prefix, copies, owner)
+        run_rows = [end - start for _, start, end in runs]
+        return cls(tokens, positions, b, t - prefix, prefix, copies, run_rows)
 
     def segments(self, runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """(agent, first token, end token) of the stream's tokens, adjacent ones merged."""
@@ -384,13 +382,66 @@ class _Stream:
         q_p, k_p, v_p = (rows_of(x, n, p) for x in (q_p, k_p, v_p))
         q_r, k_r, v_r = (rows_of(x, self.rows, w) for x in (q_r, k_r, v_r))
         attn_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
-        keys = torch.cat([k_p.index_select(0, self.owner), k_r], dim=2)
-        values = torch.cat([v_p.index_select(0, self.owner), v_r], dim=2)
-        allowed = torch.ones(w, p + w, dtype=torch.bool, device=q.device).tril(p)
-        attn = F.scaled_dot_product_attention(q_r, keys, values, attn_mask=allowed, enable_gqa=True)
+        attn = prefixed_attention(q_r, k_p, v_p, k_r, v_r, self.run_rows)
         return torch.cat([back(attn_p), back(attn)]).to(out_dtype)
 
     def scored(self, mask: torch.Tensor) -> torch.Tensor:
         """Stream index of each scored position of `mask` [B, T] (row-major)."""
         flat = mask[:, self.prefix :].reshape(-1).nonzero().squeeze(1)
         return flat + self.copies * self.prefix
+
+
+def prefixed_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    run_rows: list[int],
+) -> torch.Tensor:
+    """Rows that each attend to their run's prefix and causally to their own tokens.
+
+    The same as `F.scaled_dot_product_attention(q, cat([k_prefix[owner], k], 2), ...,
+    attn_mask=ones(w, P + w).tril(P), enable_gqa=True)` with `owner` repeating copy i
+    `run_rows[i]` times, without copying the prefix keys and values per row (nor
+    scattering their gradients back): one softmax over both score blocks, the query
+    heads that share a kv head stacked as rows of one matmul.
+
+    Args:
+        q: [B, H, w, D] the rows' queries (B = sum(run_rows)).
+        k_prefix, v_prefix: [R, K, P, D] one prefix copy per run.
+        k, v: [B, K, w, D] the rows' own keys and values.
+        run_rows: rows per run, in order.
+
+    Returns:
+        [B, H, w, D].
+    """
+    b, heads, w, d = q.shape
+    kv, p = k.shape[1], k_prefix.shape[2]
+    g = heads // kv  # query head h reads kv head h // g
+    scale = d**-0.5
+    q = q.reshape(b, kv, g * w, d)  # [B, K, g*w, D]: row i*w + t is head j*g + i, position t
+    own = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, K, g*w, w]
+    future = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)
+    own = own.masked_fill(future, float("-inf"))
+    outs = []
+    # split and unbind, not slices: their backward is one cat or stack, no zero-filled copies
+    parts = zip(
+        q.split(run_rows),
+        own.split(run_rows),
+        v.split(run_rows),
+        k_prefix.unbind(0),
+        v_prefix.unbind(0),
+        strict=True,
+    )
+    for q_i, own_i, v_i, kp_i, vp_i in parts:
+        n = q_i.shape[0]
+        stacked = q_i.transpose(0, 1).reshape(kv, n * g * w, d)  # every row of the run at once
+        pre = torch.bmm(stacked, kp_i.transpose(1, 2)) * scale  # [K, n*g*w, P]
+        pre = pre.view(kv, n, g * w, p).transpose(0, 1)
+        probs = torch.softmax(torch.cat([pre, own_i], dim=-1), dim=-1)
+        probs_pre, probs_own = probs.split([p, w], dim=-1)
+        from_pre = torch.bmm(probs_pre.transpose(0, 1).reshape(kv, n * g * w, p), vp_i)
+        outs.append(from_pre.view(kv, n, g * w, d).transpose(0, 1) + probs_own @ v_i)
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out.reshape(b, heads, w, d)
