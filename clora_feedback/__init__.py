@@ -33,7 +33,20 @@ _EXPORTS: dict[str, str] = {
     "CloraError": "clora_feedback.errors",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "AsyncFeedbackClient",
+    "CloraError",
+    "Correction",
+    "Event",
+    "FeedbackClient",
+    "FeedbackReceipt",
+    "Resolution",
+    "Reward",
+    "Settings",
+    "__version__",
+    "build_service",
+    "load_settings",
+]
 
 if TYPE_CHECKING:
     from clora_feedback.client import AsyncFeedbackClient, FeedbackClient

@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from clora_feedback.cli.adapters import add_adapters_parser, run_adapters
 from clora_feedback.config import EngineConfig, Settings
 from clora_feedback.engine.deployer import Deployer
+from clora_feedback.engine.types import EngineCapabilities
 from clora_feedback.errors import AdapterError, StoreError
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.auth import KeyAuthenticator
@@ -63,6 +64,10 @@ def _fill(registry: AdapterRegistry, agent: str, count: int) -> None:
 class Activations:
     """A fake engine behind the deployer: records the versions it is asked to serve,
     optionally refuses one."""
+
+    capabilities = EngineCapabilities(
+        per_token_versions=False, logprobs="raw", in_memory_adapters=False
+    )
 
     model_name = "tiny-base"
     lora_limits = LIMITS
@@ -254,7 +259,7 @@ def test_cli_renders_tables_and_errors(
     assert run_adapters(_cli("adapters", "versions", "support"), client=client) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "agent support: active version 3, not pinned"
-    assert out[4].split()[:4] == ["3*", "active", "2", "30"]
+    assert out[4].split()[:5] == ["3*", "active", "-", "2", "30"]  # no release record
     assert "loss=0.3333" in out[4]
 
     args = _cli("adapters", "rollback", "support", "2", "--reason", "too verbose")

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from clora_feedback.config import AgentConfig, EngineConfig, Settings
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.engine.types import EngineCapabilities
 from clora_feedback.errors import AdapterError, CloraError, ConflictError, NotFoundError
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.agents import AgentRegistry
@@ -279,6 +280,10 @@ def test_every_reporter_agrees_after_each_move(
 class _DirectoryEngine:
     """An engine that loads adapters from a directory, as vLLM does: records each path it is
     given (and whether a complete version lay there), optionally refuses one version."""
+
+    capabilities = EngineCapabilities(
+        per_token_versions=False, logprobs="raw", in_memory_adapters=False
+    )
 
     model_name = "tiny-base"
 

@@ -26,6 +26,7 @@ from clora_feedback.config import EngineConfig, Settings
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.engine.probe import NoopProbe
+from clora_feedback.engine.types import EngineCapabilities
 from clora_feedback.errors import BaseMismatchError
 from clora_feedback.gateway.adapters import build_adapters_router
 from clora_feedback.gateway.app import create_app
@@ -297,6 +298,10 @@ def test_versions_listing_shows_noop_and_pruned(
 
 class _PathEngine:
     """Loads adapters from their directory, as vLLM does (records what it was given)."""
+
+    capabilities = EngineCapabilities(
+        per_token_versions=False, logprobs="raw", in_memory_adapters=False
+    )
 
     model_name = "tiny-base"
 

@@ -21,6 +21,7 @@ def test_all_is_unique_and_every_name_resolves() -> None:
     for name in names:
         assert getattr(clora_feedback, name) is not None, name
     assert set(names) <= set(dir(clora_feedback))
+    assert set(names) == {"__version__", *clora_feedback._EXPORTS}  # one list, kept in step
 
 
 @pytest.mark.parametrize("name", [n for n in clora_feedback.__all__ if n != "__version__"])

@@ -237,11 +237,12 @@ def trainer_config(overrides: Sequence[str]) -> TrainerConfig:
     for item in overrides:
         key, sep, raw = item.partition("=")
         *path, leaf = key.strip().split(".")
-        node = data
+        node: dict[str, Any] = data
         for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-            if not isinstance(node, dict):
+            child = node.get(part)
+            if not isinstance(child, dict):
                 raise ValueError(f"--trainer {item!r}: no setting group {part!r}")
+            node = child
         if not sep or leaf not in node or isinstance(node[leaf], dict):
             raise ValueError(f"--trainer {item!r}: expected KEY=VALUE with a trainer setting")
         try:
