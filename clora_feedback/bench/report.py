@@ -119,6 +119,9 @@ def machine_facts() -> dict[str, str]:
     torch = sys.modules.get("torch")
     if torch is not None:  # only when the benchmark uses it: ingestion does not import torch
         facts["torch"] = f"{torch.__version__} ({torch.get_num_threads()} threads)"
+        from clora_feedback.hardware import cpu_features  # imports torch, already loaded here
+
+        facts["kernels"] = cpu_features().describe()
     return facts
 
 
