@@ -490,7 +490,7 @@ def test_a_failure_mid_stream_ends_with_response_failed() -> None:
 
     from clora_feedback.errors import EngineError
     from clora_feedback.gateway.chat import ChoiceChunk
-    from clora_feedback.gateway.responses import responses_events
+    from clora_feedback.gateway.responses_stream import responses_events
 
     aborted: list[bool] = []
     run = SimpleNamespace(created_at=1.0, abort=lambda: aborted.append(True))

@@ -32,29 +32,31 @@ response id and the item's place, so every listing and page agrees. `store:
 false` keeps the trajectory for training (what the gateway is for) and only
 hides the response from `GET` and `previous_response_id`.
 
-Not here: the wire models (see `schemas.responses`), prompt format, engine
-work and capture (see `chat`, `generation`, `capture`).
+Not here: the wire models (see `schemas.responses`), the output shapes (see
+`responses_output`), the stream's events (see `responses_stream`), prompt
+format, engine work and capture (see `chat`, `generation`, `capture`).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
-from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
+from openai.types.responses import ResponseItem
 from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 
 from clora_feedback.chat_format.calls import parse_tool_calls
-from clora_feedback.errors import CloraError, EngineError, InvalidRequestError, NotFoundError
+from clora_feedback.errors import InvalidRequestError, NotFoundError
 from clora_feedback.gateway.agents import AgentRegistry
 from clora_feedback.gateway.auth import Principal
-from clora_feedback.gateway.chat import ChatHandler, ChatTurn, ChoiceChunk, ChoiceResult
-from clora_feedback.gateway.errors import error_event
+from clora_feedback.gateway.chat import ChatHandler, ChatTurn, ChoiceResult
+from clora_feedback.gateway.responses_output import (
+    call_item,
+    output_items,
+    response_json,
+    usage_json,
+)
+from clora_feedback.gateway.responses_stream import responses_events
 from clora_feedback.gateway.sse import SSEResponse
 from clora_feedback.schemas.responses import (
     FunctionCallItem,
@@ -67,8 +69,6 @@ from clora_feedback.schemas.responses import (
 )
 from clora_feedback.store.trajectories import AsyncTrajectoryStore, TrajectoryRecord
 
-log = logging.getLogger(__name__)
-_EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 _ITEM: TypeAdapter[Any] = TypeAdapter(ResponseItem)
 
 
@@ -151,125 +151,6 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Respo
     except ValidationError as exc:  # the input items could not become chat messages
         first = exc.errors()[0]
         raise InvalidRequestError(f"input: {first['msg']}", param="input") from exc
-
-
-# ---------------------------------------------------------------- output
-
-
-def _message_id(response_id: str) -> str:
-    return "msg_" + response_id.removeprefix("chatcmpl-")
-
-
-def _call_item_id(call_id: str) -> str:
-    return "fc_" + call_id.removeprefix("call_")
-
-
-def message_item(response_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    """The assistant message output item (one `output_text` part)."""
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {
-        "id": _message_id(response_id),
-        "type": "message",
-        "role": "assistant",
-        "status": status,
-        "content": [part] if status != "in_progress" else [],
-    }
-
-
-def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-    """A function_call output item for a chat tool call (`{"id", "function": {...}}`)."""
-    fn = call["function"]
-    arguments = fn["arguments"] if status != "in_progress" else ""
-    return {
-        "id": _call_item_id(call["id"]),
-        "type": "function_call",
-        "call_id": call["id"],
-        "name": fn["name"],
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def output_items(
-    response_id: str, content: str | None, tool_calls: list[dict[str, Any]] | None, finish: str
-) -> list[dict[str, Any]]:
-    """The output of one finished choice: its text (when any, or when there is nothing
-    else), then one item per function call."""
-    items: list[dict[str, Any]] = []
-    if content or not tool_calls:
-        status = "incomplete" if finish == "length" else "completed"
-        items.append(message_item(response_id, content or "", status))
-    items += [call_item(c) for c in tool_calls or ()]
-    return items
-
-
-def usage_json(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": input_tokens + output_tokens,
-    }
-
-
-def _wire_tools(origin: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {"parameters": None, "strict": None, **tool, "type": "function"}
-        for tool in origin.get("tools") or ()
-    ]
-
-
-def response_json(
-    origin: dict[str, Any],
-    response_id: str,
-    created_at: float,
-    *,
-    output: list[dict[str, Any]],
-    finish: str | None,
-    usage: dict[str, Any] | None,
-    extension: dict[str, Any] | None = None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The response object for `origin` (`ResponsesRequest.origin`); `finish` None means
-    still in progress."""
-    status = "in_progress" if finish is None else "completed"
-    if finish == "length":
-        status = "incomplete"
-    if error is not None:
-        status = "failed"
-    text = origin.get("text") or {}
-    payload: dict[str, Any] = {
-        "id": response_id,
-        "object": "response",
-        "created_at": int(created_at),
-        "status": status,
-        "completed_at": int(time.time()) if status == "completed" else None,
-        "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": origin.get("instructions"),
-        "max_output_tokens": origin.get("max_output_tokens"),
-        "metadata": origin.get("metadata") or {},
-        "model": origin["model"],
-        "output": output,
-        "parallel_tool_calls": origin.get("parallel_tool_calls", True),
-        "previous_response_id": origin.get("previous_response_id"),
-        "store": origin.get("store", True),
-        "temperature": origin.get("temperature", 1.0),
-        "text": {"format": text.get("format") or {"type": "text"}},
-        "tool_choice": origin.get("tool_choice", "auto"),
-        "tools": _wire_tools(origin),
-        "top_p": origin.get("top_p", 1.0),
-        "truncation": "disabled",
-    }
-    if usage is not None:  # the official schema has no null usage: absent until known
-        payload["usage"] = usage
-    if extension is not None:
-        payload["clora"] = extension
-    # By alias: `text.format.schema` is `schema_` in the openai type.
-    return Response.model_validate(payload).model_dump(
-        mode="json", exclude_unset=True, by_alias=True
-    )
 
 
 def _forced(origin: dict[str, Any]) -> bool:
@@ -466,184 +347,3 @@ class ResponsesHandler:
                 "token_versions": list(choice.versions),
             },
         )
-
-
-# ---------------------------------------------------------------- streaming
-
-
-def _sse(event: dict[str, Any]) -> str:
-    checked = _EVENT.validate_python(event)
-    data = json.dumps(
-        checked.model_dump(mode="json", exclude_unset=True, by_alias=True),
-        ensure_ascii=False,
-        separators=(",", ":"),
-    )
-    return f"event: {event['type']}\ndata: {data}\n\n"
-
-
-class _Translation:
-    """Typed chat chunks of one choice -> Responses events, numbered in order."""
-
-    def __init__(self, origin: dict[str, Any], turn: ChatTurn, extension: dict[str, Any]) -> None:
-        self.origin = origin
-        self.response_id = turn.completion_id
-        self.created = turn.run.created_at
-        self.extension: dict[str, Any] = {**extension, "token_ids": [], "token_versions": []}
-        self.items: list[dict[str, Any]] = []
-        self.text: list[str] | None = None  # the open message's text, while one is open
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self._sequence = 0
-
-    def event(self, kind: str, **fields: Any) -> str:
-        payload = {"type": kind, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
-        return _sse(payload)
-
-    def response(self, *, done: bool, error: dict[str, Any] | None = None) -> dict[str, Any]:
-        return response_json(
-            self.origin,
-            self.response_id,
-            self.created,
-            output=list(self.items),
-            finish=(self.finish or "stop") if done else None,
-            usage=self.usage,
-            extension=self.extension or None,
-            error=error,
-        )
-
-    def start(self) -> list[str]:
-        response = self.response(done=False)
-        return [
-            self.event("response.created", response=response),
-            self.event("response.in_progress", response=response),
-        ]
-
-    def chunk(self, chunk: ChoiceChunk) -> list[str]:
-        self.extension["token_ids"] += chunk.token_ids
-        self.extension["token_versions"] += chunk.token_versions
-        out: list[str] = []
-        if chunk.content:
-            out += self._text(chunk.content)
-        for call in chunk.tool_calls:
-            out += self._close_text() + self._call(call)
-        if chunk.finish_reason is not None:
-            self.finish = chunk.finish_reason
-            out += self._close_text()
-        return out
-
-    def finish_events(self) -> list[str]:
-        out = self._close_text()
-        if not self.items:  # nothing was said: an empty message, as the JSON answer has
-            out += self._text("") + self._close_text()
-        kind = "response.incomplete" if self.finish == "length" else "response.completed"
-        return [*out, self.event(kind, response=self.response(done=True))]
-
-    def failed(self, error: dict[str, Any]) -> list[str]:
-        out = self._close_text()
-        out.append(
-            self.event(
-                "error",
-                code=error.get("code"),
-                message=error.get("message") or "the stream failed",
-                param=error.get("param"),
-            )
-        )
-        failure = {"code": "server_error", "message": error.get("message") or "the stream failed"}
-        return [
-            *out,
-            self.event("response.failed", response=self.response(done=True, error=failure)),
-        ]
-
-    def _text(self, text: str) -> list[str]:
-        out: list[str] = []
-        where = {"item_id": _message_id(self.response_id), "output_index": len(self.items)}
-        if self.text is None:
-            self.text = []
-            item = message_item(self.response_id, "", "in_progress")
-            out.append(
-                self.event("response.output_item.added", output_index=len(self.items), item=item)
-            )
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out.append(
-                self.event("response.content_part.added", **where, content_index=0, part=part)
-            )
-        if text:
-            self.text.append(text)
-            out.append(
-                self.event(
-                    "response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]
-                )
-            )
-        return out
-
-    def _close_text(self) -> list[str]:
-        if self.text is None:
-            return []
-        text, self.text = "".join(self.text), None
-        where = {"item_id": _message_id(self.response_id), "output_index": len(self.items)}
-        status = "incomplete" if self.finish == "length" else "completed"
-        item = message_item(self.response_id, text, status)
-        self.items.append(item)
-        return [
-            self.event(
-                "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
-            ),
-            self.event(
-                "response.content_part.done", **where, content_index=0, part=item["content"][0]
-            ),
-            self.event("response.output_item.done", output_index=where["output_index"], item=item),
-        ]
-
-    def _call(self, call: dict[str, Any]) -> list[str]:
-        index, done = len(self.items), call_item(call)
-        where = {"item_id": done["id"], "output_index": index}
-        self.items.append(done)
-        return [
-            self.event(
-                "response.output_item.added",
-                output_index=index,
-                item=call_item(call, "in_progress"),
-            ),
-            self.event("response.function_call_arguments.delta", **where, delta=done["arguments"]),
-            self.event(
-                "response.function_call_arguments.done",
-                **where,
-                name=done["name"],
-                arguments=done["arguments"],
-            ),
-            self.event("response.output_item.done", output_index=index, item=done),
-        ]
-
-
-async def responses_events(
-    origin: dict[str, Any], turn: ChatTurn, extension: dict[str, Any], chat: ChatHandler
-) -> AsyncIterator[str]:
-    """The turn's typed chat chunks as Responses events.
-
-    The chat handler commits the trajectory after the last chunk, so
-    `response.completed` comes after the trajectory is stored.
-    """
-    translation = _Translation(origin, turn, extension)
-    for event in translation.start():
-        yield event
-    try:
-        async with aclosing(chat.chunks(turn)) as chunks:  # closing it aborts the engine run
-            async for chunk in chunks:
-                for event in translation.chunk(chunk):
-                    yield event
-    except CloraError as exc:
-        failure = error_event(exc)["error"]
-    except Exception:
-        log.exception("responses stream %s failed", turn.completion_id)
-        failure = error_event(EngineError("the stream failed; see the server log"))["error"]
-    else:
-        usage = turn.run.usage()
-        translation.usage = usage_json(usage["prompt_tokens"], usage["completion_tokens"])
-        for event in translation.finish_events():
-            yield event
-        return
-    finally:
-        turn.run.abort()
-    for event in translation.failed(failure):
-        yield event
