@@ -115,3 +115,11 @@ def test_langchain_batch_is_one_request(module_gateway: GatewayServer) -> None:
     stem = ids[0].rsplit("-p", 1)[0]
     assert ids == [f"{stem}-p{p}" for p in range(3)]
     assert [r["samples"][0]["text"] for r in sorted(listed, key=lambda r: r["id"])] == answers
+
+
+def test_the_quickstarts_langchain_batch_snippet(module_gateway: GatewayServer) -> None:
+    from test_clients_thirdparty import run_snippet
+
+    namespace = run_snippet("langchain-batch", module_gateway)
+    answers = namespace["answers"]
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
