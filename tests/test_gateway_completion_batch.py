@@ -123,3 +123,14 @@ def test_the_quickstarts_langchain_batch_snippet(module_gateway: GatewayServer) 
     namespace = run_snippet("langchain-batch", module_gateway)
     answers = namespace["answers"]
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+
+
+def test_a_request_larger_than_the_engine_is_a_400(module_gateway: GatewayServer) -> None:
+    """64 prompts x n=16 can never fit the engine's queue: a 400 naming n, not a 429."""
+    response = httpx.post(
+        f"{module_gateway.url}/v1/completions",
+        json={"model": "support", "prompt": ["hi"] * 64, "n": 16, "max_tokens": 1},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "n"

@@ -274,6 +274,12 @@ class EmbeddedEngine:
         if request.request_id in self._by_id:
             raise InvalidRequestError(f"duplicate request id {request.request_id}")
         capacity = self.config.max_num_seqs + self.config.max_waiting
+        if arriving > capacity:  # never fits, however long the client waits
+            raise InvalidRequestError(
+                f"this request needs {arriving} sequences (prompts x n); the engine holds at "
+                f"most {capacity}",
+                param="n",
+            )
         if len(self._waiting) + len(self._running) + arriving > capacity:
             raise OverloadedError(
                 f"the engine is at capacity ({capacity} requests); retry shortly",
