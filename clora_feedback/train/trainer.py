@@ -400,9 +400,9 @@ class ContinualTrainer(BackgroundTask):
                 waited = time.monotonic() - admitted_at
                 self.ready_waits.extend([waited] * len(ready[i : i + k]))
                 results += self._step(ready[i : i + k])
+                trim_heap()  # this step's freed activations back to the OS (`heap`)
             if ready:
                 self.residency.trim()  # the least recently stepped beyond the cap
-                trim_heap()  # the step's freed activations back to the OS (`heap`)
             return results
 
     def _owned(self, agents: list[str]) -> list[str]:
