@@ -21,6 +21,7 @@ from clora_feedback.config import EngineConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.errors import AdapterError
+from clora_feedback.gateway.metrics import Metrics
 from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
 from clora_feedback.model.tiny import build_tiny_model_dir
@@ -68,6 +69,10 @@ async def test_dropped_host_copies_are_read_back_on_demand_bit_identical(
         stats = engine.host_cache_stats()
         assert stats["reads"] == 3 and stats["drops"] >= 2  # each read dropped the previous copy
         assert stats["bytes"] == weights["c"].num_bytes()  # only the last read is held
+        text = Metrics().render(engine.stats())  # /metrics shows the budget and its traffic
+        assert "clora_engine_adapter_reads_total 3" in text
+        assert f"clora_engine_host_adapter_cache_bytes {stats['bytes']}" in text
+        assert "clora_engine_host_adapter_cache_capacity_bytes 0" in text
         # "a" lost its host copy and its slot: it is read again and serves the same tokens.
         again = await _greedy(engine, "2a", "a")
         assert again == first["a"] and engine.host_cache_stats()["reads"] == 4

@@ -60,6 +60,7 @@ from clora_feedback.engine.types import (
     EngineStats,
     FinishReason,
     GenerationRequest,
+    HostCacheStats,
     RequestOutput,
     TokenEvent,
 )
@@ -444,6 +445,7 @@ class EmbeddedEngine:
                 generated_tokens=self._generated,
                 adapters=self._slots.versions(),
                 prefix_cache=self.prefix_cache.stats() if self.prefix_cache else None,
+                host_cache=HostCacheStats(**self.host_cache_stats()),
             )
 
     # -- the step loop -----------------------------------------------------------------

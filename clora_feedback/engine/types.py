@@ -317,10 +317,28 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True)
+class HostCacheStats:
+    """The embedded engine's host copies of adapters (`engine.host_adapter_cache_mb`).
+
+    Attributes:
+        bytes: memory the held copies take.
+        capacity_bytes: their budget (0: unbounded).
+        reads: versions read from their directories for agents whose copy was not held.
+        drops: copies dropped to stay within the budget.
+    """
+
+    bytes: int
+    capacity_bytes: int
+    reads: int
+    drops: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot for /health and /metrics.
 
-    `prefix_cache` is None for an engine without one (or with it turned off).
+    `prefix_cache` is None for an engine without one (or with it turned off);
+    `host_cache` for an engine that keeps no host copies of adapters (vLLM).
     """
 
     running: int
@@ -331,3 +349,4 @@ class EngineStats:
     generated_tokens: int
     adapters: dict[str, int]
     prefix_cache: PrefixCacheStats | None = None
+    host_cache: HostCacheStats | None = None

@@ -12,6 +12,8 @@ Counters are kept in process memory and rendered on `GET /metrics`:
     clora_engine_adapter_version{agent}                live adapter version per agent
     clora_engine_prefix_cache_{hits,misses,evictions}_total   prefix-cache blocks (when on)
     clora_engine_prefix_cache_bytes / _capacity_bytes  its memory and bound (gauges)
+    clora_engine_host_adapter_cache_bytes / _capacity_bytes   host copies of adapters, budget
+    clora_engine_adapter_reads_total / clora_engine_host_adapter_drops_total   cold reads, drops
 
 Bounded whatever the number of agents: families labelled by `agent` keep rows
 for the `top_agents` agents with the most completions (ties by name) and fold
@@ -224,6 +226,18 @@ class Metrics:
                 (),
                 {"": cache.capacity_bytes},
             )
+        host = stats.host_cache
+        if host is not None:
+            for name, kind, value, text in (
+                ("host_adapter_cache_bytes", "gauge", host.bytes, "Host copies of adapters held."),
+                ("host_adapter_cache_capacity_bytes", "gauge", host.capacity_bytes,
+                 "Budget of the host copies of adapters (0: none)."),
+                ("adapter_reads_total", "counter", host.reads,
+                 "Adapter versions read from their directories for cold agents."),
+                ("host_adapter_drops_total", "counter", host.drops,
+                 "Host copies of adapters dropped to stay within the budget."),
+            ):  # fmt: skip
+                family(f"clora_engine_{name}", kind, text, (), {"": value})
         for source in self._sources:
             for fam in source():
                 family(fam.name, fam.kind, fam.help, fam.labels, fam.rows)
