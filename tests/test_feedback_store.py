@@ -100,7 +100,8 @@ def test_parked_until_trajectory_arrives_then_ttl(store: FeedbackStore) -> None:
 def test_other_agents_completion_is_rejected(store: FeedbackStore) -> None:
     store.trajectories.record(_trajectory("c1", agent="coder"))
     report = store.apply([_res("x", "c1", agent="support")])
-    assert report.rejected and "belongs to agent 'coder'" in report.rejected[0].reason
+    assert report.rejected and "not a completion of agent 'support'" in report.rejected[0].reason
+    assert "coder" not in report.rejected[0].reason  # the owner is another tenant
     assert store.event_state("x") is None  # nothing stored: it may be resent fixed
     assert store.rewards_for("c1") == []
 

@@ -271,7 +271,8 @@ def test_admin_mismatch_is_rejected_by_the_store(start: Start, store: FeedbackSt
     body = all_bad.json()
     assert error_of(all_bad)["code"] == "feedback_rejected"
     assert body["accepted"] == 0 and [r["event_id"] for r in body["rejected"]] == ["bad"]
-    assert "belongs to agent 'sales'" in body["rejected"][0]["reason"]
+    reason = body["rejected"][0]["reason"]
+    assert "is not a completion of agent 'support'" in reason and "agent 'sales'" not in reason
 
     mixed = http.post("/v1/feedback", json=[wrong, resolution("good", "c-support")], headers=ADMIN)
     assert mixed.status_code == 200

@@ -402,8 +402,9 @@ class FeedbackStore(Generic[_Reader]):
             return None
         for record in records.values():
             if record.agent != event.agent:
+                # As the webhook's owner check words it: never the owner's name.
                 raise UnprocessableError(
-                    f"completion {record.id} belongs to agent {record.agent!r}, not {event.agent!r}"
+                    f"completion {record.id!r} is not a completion of agent {event.agent!r}"
                 )
             for sample in record.samples:
                 if self.policy.judges(event, sample.index):
