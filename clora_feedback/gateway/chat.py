@@ -42,7 +42,8 @@ completion handler shares (see `serving`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -423,12 +424,13 @@ class ChatHandler:
             CloraError: the engine failed or aborted a sequence.
         """
         streamer = _ChoiceStreamer(self._serving.pieces, turn)
-        async for choice, out in turn.run.events():
-            for chunk in streamer.chunks(choice, out):
-                yield chunk
+        async with aclosing(turn.run.events()) as events:  # closed with us: pumps stop
+            async for choice, out in events:
+                for chunk in streamer.chunks(choice, out):
+                    yield chunk
         await self._record(turn, [streamer.result(c) for c in turn.run.choices])
 
-    async def _sse(self, turn: ChatTurn) -> AsyncIterator[str]:
+    async def _sse(self, turn: ChatTurn) -> AsyncGenerator[str, None]:
         """`chat.completion.chunk` events (`openai_stream` adds `[DONE]` and errors)."""
         # With tools the reply may turn out to be calls only, whose content is null:
         # content then starts with its first delta (OpenAI's first chunk is the same).
@@ -441,8 +443,9 @@ class ChatHandler:
         ]
         yield self._event(turn, first, clora=self.extension(turn))
         legacy = turn.body.legacy_functions
-        async for chunk in self.chunks(turn):
-            yield self._event(turn, [_chunk_choice(chunk, legacy)])
+        async with aclosing(self.chunks(turn)) as chunks:
+            async for chunk in chunks:
+                yield self._event(turn, [_chunk_choice(chunk, legacy)])
         if include_usage(turn.body):
             yield self._event(turn, [], usage=turn.run.usage())
 

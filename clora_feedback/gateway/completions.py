@@ -17,7 +17,8 @@ Not here: chat templates and tools (see `chat`), what both handlers share (see `
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,20 +207,23 @@ class CompletionHandler:
             payload["usage"] = None
         return sse_event(payload)
 
-    async def _stream(self, turn: CompletionTurn) -> AsyncIterator[str]:
+    async def _stream(self, turn: CompletionTurn) -> AsyncGenerator[str, None]:
         """The chunks of one streamed request; `openai_stream` adds `[DONE]` and errors."""
         run, body = turn.run, turn.body
         offsets = {c.index: 0 for c in run.choices}
         first = True
-        async for choice, out in run.events():
-            if not out.tokens and not out.text and not out.finished:
-                continue
-            payload = self._payload(turn, [self._choice(turn, choice, out, offsets[choice.index])])
-            offsets[choice.index] += len(out.text)
-            if first:
-                payload["clora"] = self._extension(turn)
-                first = False
-            yield self._chunk(payload, body)
+        async with aclosing(run.events()) as events:  # closed with us: pumps stop
+            async for choice, out in events:
+                if not out.tokens and not out.text and not out.finished:
+                    continue
+                payload = self._payload(
+                    turn, [self._choice(turn, choice, out, offsets[choice.index])]
+                )
+                offsets[choice.index] += len(out.text)
+                if first:
+                    payload["clora"] = self._extension(turn)
+                    first = False
+                yield self._chunk(payload, body)
         await self._record(turn)
         if include_usage(body):
             payload = self._payload(turn, [])

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio
@@ -45,7 +45,7 @@ def sse_event(payload: dict[str, Any]) -> str:
 
 
 async def openai_stream(
-    events: AsyncIterator[str], *, name: str, on_exit: Callable[[], None]
+    events: AsyncGenerator[str, None], *, name: str, on_exit: Callable[[], None]
 ) -> AsyncIterator[str]:
     """`events`, then `[DONE]`; a failure ends the stream with an error event and `[DONE]`.
 
@@ -55,8 +55,9 @@ async def openai_stream(
         on_exit: called however the stream ends (it aborts the engine requests).
     """
     try:
-        async for event in events:
-            yield event
+        async with contextlib.aclosing(events):  # a client that left closes `events` now
+            async for event in events:
+                yield event
     except CloraError as exc:
         yield sse_event(error_event(exc))
     except Exception:
