@@ -130,7 +130,8 @@ def test_a_few_seconds_of_streaming_end_to_end(tiny_model_dir: Path, tmp_path: P
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["config"]["tasks"] == ["routing"]
     assert "cpu flags (kernel-relevant)" in record["facts"]
-    assert record["facts"]["trainer defaults"].startswith("lr ")
+    assert record["facts"]["trainer"].startswith("lr ")
+    assert record["facts"]["trainer overrides"] == "none (every default)"
     (task,) = record["tasks"]
     assert task["requests"] > 0 and task["events"] >= task["requests"]
     assert task["errors"] == 0 and task["rejected"] == 0
