@@ -435,6 +435,8 @@ def test_an_old_schema_file_is_migrated(tmp_path: Path) -> None:
         # A trainer whose cursor stood at seq 4 resumes exactly after it.
         assert {s.completion_id for s in store.training_samples("support", after_seq=4)} == {"c3"}
         assert store.rewards_by_version("support", 2) == [1.0, 1.0, 0.5, 0.5]
+        assert store.rewards_by_version("support", 2, 0.0) == [1.0, 1.0, 0.5, 0.5]
+        assert store.rewards_by_version("support", 2, time.time() + 60) == []  # joined before
         trajectories.record(_trajectory("c4"))  # new joins number on after the migrated ones
         store.apply([_res("late", "c4")])
         assert store.training_samples("support", after_seq=6)[0].last_seq == 7

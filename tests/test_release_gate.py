@@ -22,7 +22,13 @@ from clora_feedback.lora.weights import LoRAWeights, random_lora_weights
 from clora_feedback.release import arms
 from clora_feedback.release.canary import CanarySettings, in_canary, sticky_key
 from clora_feedback.release.controller import ReleaseController
-from clora_feedback.release.evalset import EvalCase, EvalSet, HeldOutSplit, held_out
+from clora_feedback.release.evalset import (
+    EvalCase,
+    EvalSet,
+    HeldOutSplit,
+    held_out,
+    operator_key,
+)
 from clora_feedback.release.gate import GateSettings, OfflineGate, score
 from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.registry.releases import ReleaseBook
@@ -89,12 +95,12 @@ def test_the_split_holds_out_labelled_samples_only_and_never_trains_them(tmp_pat
     evalset = EvalSet(split, lambda ids: "decoded", cases_dir=cases_dir,
                       render=lambda messages: [9, len(messages)])  # fmt: skip
     cases = evalset.cases("a", limit=100)
-    assert cases[0] == EvalCase("op:1", (9, 1), "hello", "operator")  # bad lines skipped
+    assert cases[0] == EvalCase(operator_key((9, 1), "hello"), (9, 1), "hello", "operator")
     assert len(cases) == 1 + len(held) and all(c.answer == "x" for c in cases[1:])
     with pytest.raises(Exception, match="answer"):
         evalset.add_operator_cases("a", [{"prompt": "q"}])
     assert evalset.add_operator_cases("a", [{"prompt": "q", "answer": "r"}]) == 1
-    assert evalset.cases("a", limit=2)[1].key == "op:4"
+    assert evalset.cases("a", limit=2)[1].key == operator_key((9, 1), "r")
 
 
 def test_score_is_the_reward_policys_judgement_of_a_right_answer() -> None:
@@ -153,7 +159,7 @@ class Rewards:
     def __init__(self) -> None:
         self.by_version: dict[int, list[float]] = {}
 
-    def __call__(self, agent: str, version: int) -> Sequence[float]:
+    def __call__(self, agent: str, version: int, since: float | None = None) -> Sequence[float]:
         return self.by_version.get(version, [])
 
 

@@ -534,13 +534,23 @@ class FeedbackStore(Generic[_Reader]):
             for _, idx, j in sorted(flat, key=lambda x: (x[0], x[1]))
         ]
 
-    def rewards_by_version(self, agent: str, version: int) -> list[float]:
+    def rewards_by_version(
+        self, agent: str, version: int, since: float | None = None
+    ) -> list[float]:
         """One reward per sample served by `version` of `agent`, under the current policy.
 
         For the canary (`release.canary`): both arms read here are judged by the same
         policy, whatever policy was current when either was trained.
+
+        Args:
+            since: only feedback joined at or after it (seconds since the epoch; the
+                canary's start, so a long-serving version's history is not re-read at
+                every look); None: all.
         """
-        judged, _ = self._judged_where("agent = ? AND adapter_version = ?", (agent, version))
+        where, params = "agent = ? AND adapter_version = ?", [agent, version]
+        if since is not None:
+            where, params = where + " AND joined_at >= ?", [agent, version, since]
+        judged, _ = self._judged_where(where, tuple(params))
         ordered = sorted(judged.values(), key=lambda items: items[-1][0])
         return [self.policy.reward([j for _, j in items]) for items in ordered]
 

@@ -58,9 +58,11 @@ class Serving:
         Raises:
             NotFoundError: an unknown model, or one this key may not use (the same answer).
         """
-        route = self.agents.resolve(body.model, sticky=sticky_key(body, uuid.uuid4().hex))
-        principal.check_model(body.model, route.agent)
-        return route
+        route = self.agents.resolve(body.model)  # no canary choice before the key's check:
+        principal.check_model(body.model, route.agent)  # a refused request is no exposure
+        if route.agent is None:
+            return route
+        return self.agents.resolve(body.model, sticky=sticky_key(body, uuid.uuid4().hex))
 
     def start(
         self,

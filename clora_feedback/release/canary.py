@@ -7,8 +7,8 @@ the request itself, hashed with the agent name (sha256), so a conversation never
 switches arms mid-way and the split is the same in every gateway process.
 
 **Decision** (`judge`), on the live rewards of each arm under the current reward
-policy (the feedback store's `rewards_by_version`: the serving arm's rewards are
-every reward its version earned, the canary's are the canary's):
+policy (the feedback store's `rewards_by_version`, both arms' rewards joined since
+the canary started), judged once per new canary reward (the timeout at every look):
 
 - **abort** at once when the canary arm is worse at `canary.confidence`
   (`stats.sequential_worse`, one look per canary reward);
@@ -82,8 +82,15 @@ def judge(
     *,
     elapsed_s: float,
     settings: CanarySettings,
+    look: bool = True,
 ) -> CanaryDecision:
-    """Decide on the two arms' live rewards (see the module docstring)."""
+    """Decide on the two arms' live rewards (see the module docstring).
+
+    Args:
+        look: False when the canary arm has no new reward since the last judgement: only
+            the timeout is checked (the sequential test spends its level once per canary
+            reward count, so repeating a look at the same count would inflate it).
+    """
     cfg = settings
     mean_s, mean_c = _mean(serving), _mean(canary)
     evidence: dict[str, Any] = {
@@ -96,7 +103,9 @@ def judge(
         "max_drop": cfg.max_drop,
         "min_feedback": cfg.min_feedback,
     }
-    worse, test, level = sequential_worse(serving, canary, confidence=cfg.confidence)
+    worse, test, level = False, None, 0.0
+    if look:
+        worse, test, level = sequential_worse(serving, canary, confidence=cfg.confidence)
     if test is not None:
         evidence |= {"p_worse": test.p, "level": level, "t": test.t, "df": test.df}
     if worse:
@@ -107,7 +116,7 @@ def judge(
             evidence,
         )
     drop = None if mean_s is None or mean_c is None else mean_s - mean_c
-    if len(canary) >= cfg.min_feedback and drop is not None and drop <= cfg.max_drop:
+    if look and len(canary) >= cfg.min_feedback and drop is not None and drop <= cfg.max_drop:
         return CanaryDecision(
             "promote",
             f"not worse live: canary mean {mean_c:.3f} (n={len(canary)}) vs serving "

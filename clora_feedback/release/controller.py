@@ -13,8 +13,11 @@ Every `release.interval_s`, per agent:
    judged offline against what serves (`gate.OfflineGate`) with the candidate loaded
    under `arms.gate_name`; `passed` starts a canary (`canary.enabled`) or promotes at
    once; `failed` and `invalid` are recorded with their evidence and never serve.
-   An `invalid` for too few cases is retried when it is still the newest version
-   and the evaluation set has grown to `gate.min_cases`.
+   Every verdict is a compare-and-set on the state it was read in (another gateway's
+   loop may have moved the version meanwhile: the verdict is then dropped). An
+   `invalid` newest version is judged again when its evaluation set has grown past the
+   cases it was judged on (and reaches `gate.min_cases`). Pinned agents are skipped
+   (a pin stops the release path; a pinned agent's canary is never promoted by it).
 
 Canary arms are restored from the registry on start and followed every look (another
 process may have started or ended one), so a restart keeps routing the same share to
@@ -48,8 +51,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RewardSource = Callable[[str, int], Sequence[float]]
-"""(agent, version) -> live rewards of the samples that version served, current policy."""
+RewardSource = Callable[[str, int, float | None], Sequence[float]]
+"""(agent, version, since) -> live rewards of the samples that version served whose feedback
+joined at or after `since` (None: all), under the current policy."""
 
 
 class ArmLoader(Protocol):
@@ -112,6 +116,7 @@ class ReleaseController(BackgroundTask):
         self.verdicts: Counter[tuple[str, str]] = Counter()
         """(stage, verdict) counts since start: gate passed|failed|invalid, canary promoted|aborted."""
         self._retried: dict[str, tuple[int, int]] = {}  # agent -> (version, cases) last retried
+        self._looked: dict[str, tuple[int, int]] = {}  # agent -> (canary version, n_canary) judged
         self._busy = asyncio.Lock()  # one decision at a time (the loop, an operator)
 
     # -- routing (called by the gateway on every request) ------------------------------
@@ -157,13 +162,19 @@ class ReleaseController(BackgroundTask):
                 await self._judge_canary(agent)
         waiting = await asyncio.to_thread(self.book.in_state, "candidate")
         waiting += await asyncio.to_thread(self.book.in_state, "passed")
-        retry = await asyncio.to_thread(self.book.in_state, "invalid")
-        agents = sorted({r.agent for r in waiting} | {r.agent for r in retry})
-        for agent in agents:
+        agents = {r.agent for r in waiting}
+        retry: set[str] = set()
+        for record in await asyncio.to_thread(self.book.newest_invalid):
+            free = record.agent not in agents and record.agent not in self._canaries
+            if free and await self._retry_due(record.agent, record):
+                retry.add(record.agent)
+        for agent in sorted(agents | retry):
             if agent in self._canaries:
                 continue  # one release at a time per agent: candidates wait for the canary
+            if await asyncio.to_thread(self.registry.is_pinned, agent):
+                continue  # a pin stops the release path of the agent (operators still act)
             async with self._busy:
-                await self._release_next(agent)
+                await self._release_next(agent, retry=agent in retry)
 
     # -- canaries ------------------------------------------------------------------------
 
@@ -171,7 +182,8 @@ class ReleaseController(BackgroundTask):
         """Bring this process's canary arms and routes to the registry's states."""
         live = {r.agent: r for r in await asyncio.to_thread(self.book.in_state, "canary")}
         for agent in [a for a in self._canaries if a not in live]:
-            self._canaries.pop(agent, None)
+            self._canaries.pop(agent, None)  # ended elsewhere (another process, a pointer move)
+            self._looked.pop(agent, None)
             await self.deployer.unload_arm(arms.canary_name(agent))
         for agent, record in live.items():
             if self._canaries.get(agent, (None,))[0] == record.version:
@@ -189,15 +201,22 @@ class ReleaseController(BackgroundTask):
         if record is None or self.canary_settings is None:
             return
         serving = record.serving or 0
-        arm_rewards = await asyncio.to_thread(self.rewards, agent, record.version)
-        base_rewards = await asyncio.to_thread(self.rewards, agent, serving)
         started = float(record.evidence.get("canary", {}).get("started_at", record.updated_at))
+        # Both arms since the canary started: the concurrent comparison, and a bounded read.
+        arm_rewards = await asyncio.to_thread(self.rewards, agent, record.version, started)
+        base_rewards = await asyncio.to_thread(self.rewards, agent, serving, started)
+        # One sequential look per new canary reward (the levels sum to alpha over looks).
+        new_look = self._looked.get(agent) != (record.version, len(arm_rewards))
+        self._looked[agent] = (record.version, len(arm_rewards))
         decision = judge(
             base_rewards,
             arm_rewards,
             elapsed_s=time.time() - started,
             settings=self.canary_settings,
+            look=new_look,
         )
+        if decision.action == "promote" and await asyncio.to_thread(self.registry.is_pinned, agent):
+            return  # pinned: the canary waits (an operator promotes or aborts it)
         if decision.action == "continue":
             return
         decision.evidence |= {
@@ -214,6 +233,7 @@ class ReleaseController(BackgroundTask):
         self, agent: str, record: ReleaseRecord, decision: CanaryDecision, stage: str = "canary"
     ) -> None:
         self._canaries.pop(agent, None)  # share 0 here at once, before anything is written
+        self._looked.pop(agent, None)
         await asyncio.to_thread(
             self.book.record, agent, record.version, "aborted",
             stage=stage, evidence=decision.evidence, expect={"canary"},
@@ -230,7 +250,8 @@ class ReleaseController(BackgroundTask):
             expected_active=serving or None, stage=stage, evidence=evidence,
         )  # fmt: skip
         await self.deployer.install_then(agent, version, move)
-        if self._canaries.pop(agent, None) is not None:
+        self._looked.pop(agent, None)
+        if self._canaries.pop(agent, None) is not None:  # `promote` ended it in the registry
             await self.deployer.unload_arm(arms.canary_name(agent))
         if self.gate is not None:
             self.gate.forget(agent, keep_version=version)
@@ -240,7 +261,7 @@ class ReleaseController(BackgroundTask):
 
     # -- candidates ------------------------------------------------------------------------
 
-    async def _release_next(self, agent: str) -> None:
+    async def _release_next(self, agent: str, *, retry: bool = False) -> None:
         records = await asyncio.to_thread(self.book.of_agent, agent)
         info = await asyncio.to_thread(self.registry.agent, agent)
         active = info.active_version or 0
@@ -261,24 +282,22 @@ class ReleaseController(BackgroundTask):
             return
         if waiting:
             version = waiting[-1]
-        elif newest is not None and await self._retry_due(agent, records[newest]):
+        elif retry and newest is not None and records[newest].state == "invalid":
             version = newest
         else:
             return
+        read = records[version].state  # every write below is a compare-and-set on it
         status = (await asyncio.to_thread(self.registry.get, agent, version)).status
         if status == "rolled_back" or version <= active:
             await asyncio.to_thread(
                 self.book.record, agent, version, "skipped",
                 stage="gate", evidence={"reason": f"status {status}, serving v{active}"},
+                expect={read},
             )  # fmt: skip
             return
         verdict = await self._gate(agent, version, active)
-        self.verdicts[("gate", verdict.verdict)] += 1
-        await asyncio.to_thread(
-            self.book.record, agent, version, verdict.verdict,
-            stage="gate", evidence=verdict.evidence | {"reason": verdict.reason},
-            serving=active,
-        )  # fmt: skip
+        if not await self._record_verdict(agent, version, verdict, active, read):
+            return
         log.log(
             logging.INFO if verdict.verdict == "passed" else logging.WARNING,
             "agent %s: gate %s v%d: %s", agent, verdict.verdict, version, verdict.reason,
@@ -291,14 +310,39 @@ class ReleaseController(BackgroundTask):
             return
         await self._start_canary(agent, version, active)
 
+    async def _record_verdict(
+        self,
+        agent: str,
+        version: int,
+        verdict: GateVerdict,
+        active: int,
+        read: str | None,
+        by: dict[str, str] | None = None,
+    ) -> bool:
+        """Record the gate's verdict if `version` is still in the state `read` (another
+        gateway may have moved it meanwhile); False: dropped."""
+        recorded = await asyncio.to_thread(
+            self.book.record, agent, version, verdict.verdict, stage="gate",
+            evidence=verdict.evidence | {"reason": verdict.reason} | (by or {}),
+            serving=active, expect={read},
+        )  # fmt: skip
+        if not recorded:
+            log.info("agent %s: gate verdict on v%d dropped: its state moved from %s meanwhile",
+                     agent, version, read)  # fmt: skip
+            return False
+        self.verdicts[("gate", verdict.verdict)] += 1
+        return True
+
     async def _retry_due(self, agent: str, record: ReleaseRecord) -> bool:
-        """An evaluation that had too few cases is run again once enough exist."""
+        """An `invalid` newest version is evaluated again once its evaluation set has grown
+        past the cases it was judged on (and reaches `gate.min_cases`)."""
         if record.state != "invalid" or self.evalset is None:
             return False
-        if record.evidence.get("gate", {}).get("code") != "too_few_cases":
-            return False
+        judged = int(record.evidence.get("gate", {}).get("cases", 0))
         cases = len(await asyncio.to_thread(self.evalset.cases, agent, limit=self.max_cases))
-        if cases < self.min_cases or self._retried.get(agent) == (record.version, cases):
+        if cases < self.min_cases or cases <= judged:
+            return False
+        if self._retried.get(agent) == (record.version, cases):
             return False
         self._retried[agent] = (record.version, cases)
         return True
@@ -316,7 +360,7 @@ class ReleaseController(BackgroundTask):
             await self.deployer.load_arm(name, agent, version)
         except CloraError as exc:
             return GateVerdict("invalid", f"the candidate cannot load: {exc.message}",
-                               {"code": "load_failed"})  # fmt: skip
+                               {"code": "load_failed", "cases": len(cases)})  # fmt: skip
         serving_name = agent if self.deployer.serving(agent) is not None else None
         try:
             return await self.gate.judge(
@@ -395,13 +439,15 @@ class ReleaseController(BackgroundTask):
             active = info.active_version or 0
             if version == active:
                 raise ConflictError(f"v{version} is serving", code="already_active")
+            before = await asyncio.to_thread(self.book.get, agent, version)
+            read = None if before is None else before.state
             verdict = await self._gate(agent, version, active)
-            self.verdicts[("gate", verdict.verdict)] += 1
-            await asyncio.to_thread(
-                self.book.record, agent, version, verdict.verdict, stage="gate",
-                evidence=verdict.evidence | {"reason": verdict.reason, "by": "operator"},
-                serving=active,
-            )  # fmt: skip
+            if not await self._record_verdict(
+                agent, version, verdict, active, read, by={"by": "operator"}
+            ):
+                return verdict
+            if info.pinned:
+                return verdict  # pinned: it waits as `passed` (an operator promotes it)
             if verdict.verdict == "passed" and agent not in self._canaries:
                 if self.canary_settings is None:
                     evidence = {"reason": "passed the gate (operator); canary off"}

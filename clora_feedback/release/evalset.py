@@ -44,7 +44,15 @@ from clora_feedback.feedback.store import TrainingSample
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EvalCase", "EvalSet", "HeldOutSplit", "held_out", "labelled", "parse_operator_case"]
+__all__ = [
+    "EvalCase",
+    "EvalSet",
+    "HeldOutSplit",
+    "held_out",
+    "labelled",
+    "operator_key",
+    "parse_operator_case",
+]
 
 Render = Callable[[list[dict[str, Any]]], list[int]]
 """Chat messages -> prompt token ids (the base model's chat template, generation prompt added)."""
@@ -55,13 +63,21 @@ class EvalCase:
     """One case both versions answer."""
 
     key: str
-    """Stable id: `fb:<completion_id>:<sample_index>` or `op:<line number>`."""
+    """Stable id: `fb:<completion_id>:<sample_index>`, or `op:<sha256 of the prompt's token ids
+    and the answer>` (`operator_key`: an edit of the cases file never gives a cached answer of
+    one case to another)."""
     prompt_token_ids: tuple[int, ...]
     """[P] the prompt exactly as the engine sees it."""
     answer: str
     """The right reply."""
     source: str
     """`feedback` or `operator`."""
+
+
+def operator_key(prompt_token_ids: Sequence[int], answer: str) -> str:
+    """The key of an operator case: what it asks and answers, not where its line is."""
+    text = json.dumps([list(prompt_token_ids), answer], ensure_ascii=False)
+    return "op:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def labelled(sample: TrainingSample) -> bool:
@@ -244,7 +260,8 @@ class EvalSet:
             except (ValueError, InvalidRequestError) as exc:  # one bad line never hides the rest
                 log.warning("operator case %s:%d skipped: %s", path, number, exc)
                 continue
-            out.append(EvalCase(f"op:{number}", tuple(ids), case["answer"], "operator"))
+            out.append(EvalCase(operator_key(ids, case["answer"]), tuple(ids), case["answer"],
+                                "operator"))  # fmt: skip
         self._operator[agent] = (mtime, out)
         return out
 

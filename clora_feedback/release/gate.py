@@ -10,7 +10,8 @@ decides on the paired differences (`stats.paired_verdict`):
 - **passed**: not worse than serving by more than `gate.max_drop` at
   `gate.confidence` (one-sided lower bound);
 - **failed**: not shown so; the candidate is rejected, kept on disk with this evidence;
-- **invalid**: fewer than `gate.min_cases` cases, an engine error, a timeout, or an
+- **invalid**: fewer than `gate.min_cases` cases, an engine or evaluator error (any
+  exception, logged with its traceback), a timeout, or an
   answer attributed to another version than the one asked for (a move raced the
   evaluation): nothing is decided and the candidate does not serve (fail-closed).
 
@@ -29,6 +30,7 @@ the candidate into the engine (the deployer), the case split (`evalset`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -44,6 +46,8 @@ from clora_feedback.release.stats import paired_verdict
 from clora_feedback.schemas.feedback import Resolution
 
 __all__ = ["GateSettings", "GateVerdict", "OfflineGate", "score"]
+
+log = logging.getLogger(__name__)
 
 Verdict = Literal["passed", "failed", "invalid"]
 
@@ -161,6 +165,12 @@ class OfflineGate:
             return GateVerdict(
                 "invalid", f"evaluator error: {exc.message}", evidence | {"code": "error"}
             )
+        except Exception as exc:  # fail-closed: a crash decides nothing, the candidate waits
+            log.exception("agent %s: the offline gate of v%d crashed", agent, candidate[1])
+            return GateVerdict(
+                "invalid", f"evaluator error: {type(exc).__name__}: {exc}",
+                evidence | {"code": "error"},
+            )  # fmt: skip
         finally:
             cpu = time.process_time() - cpu0
             self.cpu_seconds += cpu

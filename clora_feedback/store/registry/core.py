@@ -37,7 +37,8 @@ by `collect_garbage`; a pruned version is never loaded or rolled back to
 
 Deliberately not here: the value types and Protocol (see `versions`), the engine
 (`clora_feedback.engine.deployer` makes it serve the active pointer), HTTP (see `clora_feedback.gateway.adapters`),
-deciding when to roll back (see `guard`).
+deciding when a version serves (see `clora_feedback.release`). Every pointer move here
+also ends the agent's live release canary in its transaction (`releases.end_canaries`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ from clora_feedback.store.registry.index import (
     json_object,
     version_info,
 )
+from clora_feedback.store.registry.releases import end_canaries
 from clora_feedback.store.versions import (
     AdapterStore,
     AgentInfo,
@@ -423,6 +425,7 @@ class AdapterRegistry:
                 ),
             )
             if activate:
+                end_canaries(conn, agent, active=version, reason=f"v{version} was published")
                 conn.execute(
                     "UPDATE agents SET active_version = ?, activated_by = 'publish', "
                     "activated_at = ? WHERE agent = ?",
@@ -698,6 +701,7 @@ class AdapterRegistry:
                 "WHERE agent = ? AND version = ?",
                 (agent, version),
             )
+            end_canaries(conn, agent, active=version, reason=f"rolled back to v{version}")
             conn.execute(
                 "UPDATE agents SET active_version = ?, activated_by = 'rollback', activated_at = ? "
                 "WHERE agent = ?",
@@ -727,6 +731,7 @@ class AdapterRegistry:
                     f"agent {agent!r}: the active version is {active}, not {expected_active}",
                     code="active_changed",
                 )
+            end_canaries(conn, agent, active=None, reason="deactivated (the base model serves)")
             conn.execute(
                 "UPDATE agents SET active_version = NULL, activated_by = NULL, activated_at = ? "
                 "WHERE agent = ?",

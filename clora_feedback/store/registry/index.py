@@ -106,7 +106,8 @@ RELEASE_TABLES = ("releases",)
 
 
 def release_schema(dialect: str) -> str:
-    """The `releases` table in `dialect` (`CREATE TABLE IF NOT EXISTS`)."""
+    """The `releases` table and its index by state (the release loop's reads) in `dialect`
+    (`CREATE ... IF NOT EXISTS`: run on every open)."""
     real = "DOUBLE PRECISION" if dialect == "postgresql" else "REAL"
     return f"""
 CREATE TABLE IF NOT EXISTS releases (
@@ -118,7 +119,8 @@ CREATE TABLE IF NOT EXISTS releases (
     evidence TEXT NOT NULL,
     updated_at {real} NOT NULL,
     PRIMARY KEY (agent, version)
-)"""
+);
+CREATE INDEX IF NOT EXISTS releases_by_state ON releases (state)"""
 
 
 AGENT_COLUMNS = "agent, active_version, last_version, pinned, activated_by, activated_at"

@@ -18,6 +18,12 @@ States (`ReleaseState`):
 - `promoted`: the active pointer moved to it (`promote`: the pointer's compare-and-set
   and the state in one transaction); `aborted`: its canary was stopped.
 
+Every move of the pointer (`promote`, and the registry's `rollback`, `deactivate` and
+activating `publish`) ends the agent's live canary in its own transaction
+(`end_canaries`: `aborted`, stage `operator`, reason `superseded`; the version the pointer
+moves to becomes `promoted`), so no process keeps routing to a canary judged against a
+serving version that no longer serves.
+
 `failed` and `aborted` are *rejected*: the trainer stops continuing from a rejected
 version and anything trained from it (see `train.trainer`).
 
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -41,7 +47,7 @@ from clora_feedback.store.registry.schema import notify_pointer_moved
 if TYPE_CHECKING:
     from clora_feedback.store.registry.core import AdapterRegistry
 
-__all__ = ["REJECTED", "ReleaseBook", "ReleaseRecord", "ReleaseState"]
+__all__ = ["REJECTED", "ReleaseBook", "ReleaseRecord", "ReleaseState", "end_canaries"]
 
 ReleaseState = Literal[
     "candidate", "skipped", "passed", "failed", "invalid", "canary", "promoted", "aborted"
@@ -84,6 +90,25 @@ def _record(row: tuple[Any, ...]) -> ReleaseRecord:
     return ReleaseRecord(row[0], row[1], row[2], row[3], row[4], json.loads(row[5]), row[6])
 
 
+def end_canaries(conn: Any, agent: str, *, active: int | None, reason: str) -> list[int]:
+    """End `agent`'s live canaries inside the transaction that moves its pointer to `active`:
+    each becomes `aborted` (stage `operator`, `reason`: superseded), except `active` itself,
+    which becomes `promoted` (it serves everyone now). Returns the aborted versions.
+    """
+    found = conn.execute(
+        "SELECT version FROM releases WHERE agent = ? AND state = 'canary'", (agent,)
+    ).fetchall()
+    aborted = []
+    for (version,) in found:
+        evidence = {"reason": reason, "by": "operator", "code": "superseded"}
+        state = "promoted" if version == active else "aborted"
+        text = json.dumps(evidence, sort_keys=True)
+        ReleaseBook._set(conn, agent, version, state, "operator", text, {"canary"}, None, None)
+        if state == "aborted":
+            aborted.append(int(version))
+    return aborted
+
+
 class ReleaseBook:
     """The release states of one registry's versions (thread-safe, blocking: call off the loop).
 
@@ -119,6 +144,16 @@ class ReleaseBook:
             found = conn.execute(
                 f"SELECT {_COLUMNS} FROM releases WHERE state = ? ORDER BY agent, version",
                 (state,),
+            ).fetchall()
+        return [_record(r) for r in found]
+
+    def newest_invalid(self) -> list[ReleaseRecord]:
+        """Every `invalid` version that is its agent's newest release record (what the release
+        loop may evaluate again), by agent."""
+        with self._db.read() as conn:
+            found = conn.execute(
+                f"SELECT {_COLUMNS} FROM releases r WHERE state = 'invalid' AND version = "
+                "(SELECT max(version) FROM releases n WHERE n.agent = r.agent) ORDER BY agent",
             ).fetchall()
         return [_record(r) for r in found]
 
@@ -166,7 +201,7 @@ class ReleaseBook:
         *,
         stage: str | None = None,
         evidence: Mapping[str, Any] | None = None,
-        expect: frozenset[str] | set[str] | None = None,
+        expect: Collection[str | None] | None = None,
         share: float | None = None,
         serving: int | None = None,
     ) -> bool:
@@ -175,7 +210,8 @@ class ReleaseBook:
         Args:
             stage: the evidence key (`gate`, `canary`, `operator`); merged with earlier stages.
             evidence: this stage's statistics and reason (JSON).
-            expect: states it must be in now (None: any, or no record yet).
+            expect: states it must be in now, None in it standing for no record yet
+                (None: any, or no record yet).
             share, serving: set when given.
 
         Returns:
@@ -192,17 +228,19 @@ class ReleaseBook:
             rows.require_agent(conn, agent, lock=True)
             if rows.version_row(conn, agent, version) is None:
                 raise rows.version_not_found(agent, version)
-            return self._set(conn, agent, version, state, stage, text, expect, share, serving)
+            return ReleaseBook._set(
+                conn, agent, version, state, stage, text, expect, share, serving
+            )
 
+    @staticmethod
     def _set(
-        self,
         conn: Any,
         agent: str,
         version: int,
         state: str,
         stage: str | None,
         text: str | None,
-        expect: frozenset[str] | set[str] | None,
+        expect: Collection[str | None] | None,
         share: float | None,
         serving: int | None,
     ) -> bool:
@@ -210,7 +248,7 @@ class ReleaseBook:
             f"SELECT {_COLUMNS} FROM releases WHERE agent = ? AND version = ?", (agent, version)
         ).fetchone()
         current = None if row is None else _record(row)
-        if expect is not None and (current is None or current.state not in expect):
+        if expect is not None and (None if current is None else current.state) not in expect:
             return False
         merged = dict(current.evidence) if current is not None else {}
         if stage is not None and text is not None:
@@ -263,7 +301,7 @@ class ReleaseBook:
                 raise ConflictError(
                     f"agent {agent!r}: v{running[0]} is already a canary", code="canary_running"
                 )
-            if not self._set(
+            if not ReleaseBook._set(
                 conn, agent, version, "canary", "canary", text, {"passed"}, share, serving
             ):
                 raise ConflictError(
@@ -282,20 +320,28 @@ class ReleaseBook:
         """Move the active pointer to `version` and mark it promoted, in one transaction.
 
         The pointer's `activated_by` becomes `publish` (a version goes live by the release
-        path); versions between are left as they are.
+        path); versions between are left as they are; another live canary of the agent is
+        `aborted` (superseded) in the same transaction. A pinned agent is promoted by an
+        operator only (`stage` `operator`).
 
         Raises:
             NotFoundError: unknown agent or version.
             GoneError: its payload was pruned.
             ConflictError: the active version is not `expected_active` (`active_changed`),
-                or `version` is rejected (`version_rejected`) or already active.
+                `version` is rejected (`version_rejected`) or already active, or the agent
+                is pinned and `stage` is not `operator` (`agent_pinned`).
         """
         text = json_object(evidence, param="evidence")
         with self._db.write() as conn:
-            active = rows.require_agent(conn, agent, lock=True)[1]
+            pointer = rows.require_agent(conn, agent, lock=True)
+            active = pointer[1]
             row = rows.version_row(conn, agent, version)
             if row is None:
                 raise rows.version_not_found(agent, version)
+            if pointer[3] and stage != "operator":
+                raise ConflictError(
+                    f"agent {agent!r} is pinned: only an operator promotes it", code="agent_pinned"
+                )
             if active != expected_active:
                 raise ConflictError(
                     f"agent {agent!r}: the active version is {active}, not {expected_active}",
@@ -316,6 +362,7 @@ class ReleaseBook:
                         code="version_rejected",
                     )
                 self._set(conn, agent, version, "promoted", stage, text, None, None, active)
+            end_canaries(conn, agent, active=version, reason=f"v{version} was promoted ({stage})")
             conn.execute(
                 "UPDATE agents SET active_version = ?, activated_by = 'publish', "
                 "activated_at = ? WHERE agent = ?",
