@@ -511,6 +511,14 @@ class GateConfig(BaseModel):
         "`<data_dir>/cases`.",
     )
 
+    @model_validator(mode="after")
+    def _cases_fit(self) -> GateConfig:
+        if self.min_cases > self.max_cases:  # every evaluation would be `invalid`, forever
+            raise ValueError(
+                f"gate.min_cases ({self.min_cases}) exceeds gate.max_cases ({self.max_cases})"
+            )
+        return self
+
 
 class CanaryConfig(BaseModel):
     """The canary: a passing candidate serves a share of live traffic, judged on its rewards

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from pydantic import ValidationError
 
-from clora_feedback.config import FeedbackConfig
+from clora_feedback.config import FeedbackConfig, GateConfig
 from clora_feedback.errors import ConflictError
 from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.gateway.agents import Route
@@ -339,6 +340,15 @@ async def test_an_old_invalid_version_is_not_regated_every_look(
     with registry.database.read() as conn:
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
     assert "releases_by_state" in names
+
+
+# -- 8. settings that could never gate ----------------------------------------------------
+
+
+def test_min_cases_above_max_cases_is_refused() -> None:
+    with pytest.raises(ValidationError, match="min_cases"):
+        GateConfig(min_cases=10, max_cases=8)
+    assert GateConfig(min_cases=8, max_cases=8).max_cases == 8
 
 
 # -- 9. the key is checked before a canary is chosen -------------------------------------

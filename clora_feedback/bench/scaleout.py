@@ -254,9 +254,11 @@ def train_once(
             {"store_url": url, "adapters_dir": str(run_dir / "adapters"),
              "engine": {"model": str(model), "device": "cpu", "num_threads": 1},
              "trainer": {"nice": 0, "poll_interval_s": 0.1, "trigger_interval_s": 3600,
-                         "lease_ttl_s": 6.0, "guard": {"enabled": False},
+                         "lease_ttl_s": 6.0,
                          "admission": {"min_batch": per_step, "max_batch": per_step,
-                                       "max_staleness": 100_000}}},
+                                       "max_staleness": 100_000}},
+             # Every sample trains (no held-out reserve) and each step serves at once.
+             "release": {"enabled": False}},
         )  # fmt: skip
         procs = [
             RoleProcess(f"train{i}", ["train", "--config", str(cfg), "--owner", f"t{i}"], run_dir)
@@ -321,7 +323,7 @@ def publish_once(
              "engine": {"model": str(model), "device": "cpu", "num_threads": 1,
                         "max_model_len": 256, "adapter_notify": notify, "prefix_cache_mb": 0},
              "feedback": {"kafka": {"embedded_broker": False}},
-             "trainer": {"enabled": False, "guard": {"enabled": False}}},
+             "trainer": {"enabled": False}, "release": {"enabled": False}},
         )  # fmt: skip
         ports = [free_port(), free_port()]
         procs = [

@@ -336,7 +336,7 @@ def gateway_settings(model_dir: Path, data_dir: Path, dtype: str, o: Options) ->
     return Settings.model_validate(
         {"data_dir": data_dir, "adapters_dir": data_dir / "adapters", "engine": engine,
          "agents": [], "feedback": {"kafka": {"embedded_broker": False}},
-         "trainer": {"enabled": False, "guard": {"enabled": False}}}
+         "trainer": {"enabled": False}, "release": {"enabled": False}}
     )  # fmt: skip
 
 

@@ -414,7 +414,7 @@ async def measure_gateway(
     cfg = settings.model_dump(mode="json", exclude={"data_dir", "adapters_dir"})
     cfg |= {"data_dir": str(gw_dir), "adapters_dir": str(gw_dir / "adapters"),
             "feedback": {"kafka": {"embedded_broker": False}},
-            "trainer": {"enabled": False, "guard": {"enabled": False}}}  # fmt: skip
+            "trainer": {"enabled": False}, "release": {"enabled": False}}  # fmt: skip
     port = free_port()
     gateway = RoleProcess(
         "gateway", ["serve", "--config", str(write_settings(gw_dir / "settings.json", cfg)),

@@ -4,7 +4,7 @@ What runs (all in this process, except the broker):
 
 - the full service of `clora serve` (`build_service`): gateway, engine,
   trajectory and feedback stores, Kafka consumer group, webhook, continual
-  trainer, adapter registry and regression guard;
+  trainer, adapter registry and release path (gate, canary);
 - a Kafka-protocol broker (Tansu, as the embedded default uses) standing in
   for the company's cluster, so feedback flows through the log (in its own
   session, see `brokerhost`, so Ctrl-C cannot kill it before we are done);

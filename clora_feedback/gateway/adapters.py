@@ -174,7 +174,7 @@ def build_adapters_router(
 async def release_action(
     release: ReleaseController | None, agent: str, action: str, body: ReleaseActionRequest
 ) -> ReleaseActionResult:
-    """An operator's gate, promote or abort: the one path (these routes, the console).
+    """An operator's gate, promote or abort (the routes above; the CLI calls them).
 
     Raises:
         ConflictError: the release path is off (`release_off`), the version is rejected or

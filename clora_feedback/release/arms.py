@@ -13,7 +13,7 @@ Not here: loading them (the deployer), choosing them (`canary`, `controller`).
 
 from __future__ import annotations
 
-__all__ = ["agent_of", "canary_name", "gate_name"]
+__all__ = ["canary_name", "gate_name"]
 
 
 def canary_name(agent: str) -> str:
@@ -24,8 +24,3 @@ def canary_name(agent: str) -> str:
 def gate_name(agent: str) -> str:
     """The engine name a candidate of `agent` is evaluated under."""
     return f"{agent}@gate"
-
-
-def agent_of(name: str) -> str:
-    """The agent an engine name belongs to (the name itself for a serving arm)."""
-    return name.split("@", 1)[0]

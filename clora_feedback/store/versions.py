@@ -1,6 +1,6 @@
 """The vocabulary of adapter versions: value types and the `AdapterStore` Protocol.
 
-The trainer, the regression guard and the gateway's admin routes depend on
+The trainer, the release path and the gateway's admin routes depend on
 these names only; `clora_feedback.store.registry.AdapterRegistry` is the
 implementation (SQLite index + version directories), and re-exports them.
 
@@ -84,7 +84,7 @@ class VersionInfo:
     rolled_back_at: float | None = None
     """When a rollback marked this version, if one did."""
     rolled_back_reason: str | None = None
-    """Why it was rolled back (operator text or the regression guard's statistics)."""
+    """Why it was rolled back (the reason given with the rollback)."""
     pruned_at: float | None = None
     """When retention deleted its payload (PEFT files, optimizer state); its manifest and
     this row stay. A pruned version cannot be loaded or rolled back to (410)."""
@@ -118,8 +118,8 @@ class AgentInfo:
     latest_version: int | None
     """The highest published version number, or None."""
     activated_by: Activation | None
-    """How the active version became active: `publish` or `rollback` (the guard judges only
-    published ones); None when none is active."""
+    """How the active version became active: `publish` (a trainer's publish, or the release
+    path's promotion) or `rollback`; None when none is active."""
     activated_at: float | None
     """When the active pointer last moved (a deactivation included), seconds since the epoch."""
 
@@ -134,7 +134,7 @@ class AgentInfo:
 
 
 class AdapterStore(Protocol):
-    """The seam the trainer, the regression guard and the gateway depend on.
+    """The seam the trainer, the release path and the gateway depend on.
 
     `AdapterRegistry` documents each method.
     """

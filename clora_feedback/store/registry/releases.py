@@ -183,14 +183,6 @@ class ReleaseBook:
         found = self.of_agent(agent)
         return {v for v in versions if v in found and found[v].rejected}
 
-    def counts(self) -> dict[str, int]:
-        """How many versions are in each state (bounded labels for `/metrics`)."""
-        with self._db.read() as conn:
-            found = dict(
-                conn.execute("SELECT state, count(*) FROM releases GROUP BY state").fetchall()
-            )
-        return {state: int(found.get(state, 0)) for state in STATES}
-
     # -- moving -------------------------------------------------------------------------
 
     def record(
