@@ -222,12 +222,15 @@ def test_clora_serve_engine_vllm_without_a_url_supervises_a_local_server(
     from clora_feedback import service
     from clora_feedback.cli.main import main
     from clora_feedback.config import Settings
+    from clora_feedback.service.parts import engine_settings
 
     seen: list[Settings] = []
     monkeypatch.setattr(service, "serve", seen.append)
     monkeypatch.setenv("CLORA_DATA_DIR", str(tmp_path))
     assert main(["serve", "--engine", "vllm"]) == 0
-    local = seen[-1].engine.vllm.local
+    assert seen[-1].engine.kind == "vllm" and not seen[-1].engine.vllm.urls
+    # The CLI only turns flags into settings; the builder starts the local server.
+    local = engine_settings(seen[-1]).engine.vllm.local
     assert local.enabled and local.log_dir == tmp_path / "vllm"
     urls = ["--vllm-url", "http://a:8000", "--vllm-url", "http://b:8000"]
     assert main(["serve", "--engine", "vllm", *urls]) == 0

@@ -501,9 +501,11 @@ def report(o: Options, facts: dict[str, str]) -> int:
 
 def run(argv: list[str]) -> int:
     """`clora bench serve ARGV` (`--engine vllm`: `vllm_serve.run`)."""
-    args = build_parser().parse_args(argv)
-    if args.engine == "vllm":
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--engine", default="embedded", choices=["embedded", "vllm"])
+    if engine.parse_known_args(argv)[0].engine == "vllm":  # its own options: dispatch first
         from clora_feedback.bench.vllm_serve import run as run_vllm
 
         return run_vllm(argv)
+    args = build_parser().parse_args(argv)
     return report(options_from(args, quick=bool(args.quick)), machine_facts())
