@@ -82,9 +82,9 @@ from clora_feedback.bench.learning_tasks import (
 from clora_feedback.bench.report import machine_facts
 from clora_feedback.config import ReleaseConfig, Settings, TrainerConfig
 from clora_feedback.demo.experiment import ExperimentConfig, service_settings
-from clora_feedback.demo.heap import release_freed_memory
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import Episode, Sampling
+from clora_feedback.heap import release_freed_memory
 from clora_feedback.schemas.feedback import Correction, Event, Resolution, Reward
 
 if TYPE_CHECKING:

@@ -56,9 +56,9 @@ from clora_feedback.config import (
     Settings,
     TrainerConfig,
 )
-from clora_feedback.demo.heap import release_freed_memory
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import WORKLOADS, Episode, Sampling, Workload, episode_seed
+from clora_feedback.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 

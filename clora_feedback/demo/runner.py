@@ -55,9 +55,9 @@ from clora_feedback.config import (
     TrainerConfig,
 )
 from clora_feedback.demo.brokerhost import HostedBroker
-from clora_feedback.demo.heap import release_freed_memory
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import CodingWorkload, Sampling, SupportWorkload, Workload
+from clora_feedback.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 
