@@ -76,6 +76,7 @@ def test_health_names_agents_to_the_admin_key_only(
     assert admin["agents"] == 2
 
 
+@pytest.mark.slow  # a real Kafka-protocol broker
 def test_a_busy_fixed_port_is_refused_before_spawning() -> None:
     with _held_port() as port:
         broker = LocalBroker(port=port)
@@ -85,6 +86,7 @@ def test_a_busy_fixed_port_is_refused_before_spawning() -> None:
     assert broker.pid is None
 
 
+@pytest.mark.slow  # a real Kafka-protocol broker
 def test_a_busy_preferred_port_falls_back_to_a_free_one() -> None:
     with _held_port() as port, LocalBroker(preferred_port=port) as broker:
         host, _, bound = broker.bootstrap.partition(":")
@@ -108,6 +110,7 @@ def _pipeline(store: FeedbackStore, tmp_path: Path, port: int | None) -> Feedbac
     return FeedbackPipeline(config, store, lambda: {"support"}, broker_dir=tmp_path / "kafka")
 
 
+@pytest.mark.slow  # a real Kafka-protocol broker
 async def test_the_pipeline_names_the_setting_when_its_port_is_busy(
     feedback_store: FeedbackStore, tmp_path: Path
 ) -> None:
@@ -119,6 +122,7 @@ async def test_the_pipeline_names_the_setting_when_its_port_is_busy(
     assert SETTING in info.value.message and str(port) in info.value.message
 
 
+@pytest.mark.slow  # a real Kafka-protocol broker
 async def test_the_pipeline_listens_on_the_set_port(
     feedback_store: FeedbackStore, tmp_path: Path
 ) -> None:
@@ -138,6 +142,7 @@ def test_the_default_port_is_kafkas() -> None:
     assert "9092" in (KafkaConfig.model_fields["embedded_broker_port"].description or "")
 
 
+@pytest.mark.slow  # a real Kafka-protocol broker
 def test_health_shows_the_broker_to_the_admin_key(tiny_model_dir: Path, tmp_path: Path) -> None:
     from clora_feedback.service import build_service
 

@@ -27,6 +27,8 @@ from clora_feedback.service import build_service
 
 pytest.importorskip("schemathesis")
 
+pytestmark = pytest.mark.slow  # a real server and the schemathesis command: ~20 s
+
 
 @pytest.fixture(scope="module")
 def gateway(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from kafka_fixtures import feedback_store, store_trajectory, wait_until  # noqa: F401
 
 from clora_feedback.config import FeedbackConfig, KafkaConfig
@@ -14,6 +15,7 @@ from clora_feedback.feedback.store import FeedbackStore
 from clora_feedback.schemas.feedback import Resolution
 
 
+@pytest.mark.slow  # a real Kafka-protocol broker
 async def test_pipeline_start_does_not_wait_for_the_group_join(
     tmp_path: Path,
     feedback_store: FeedbackStore,  # noqa: F811
@@ -44,6 +46,7 @@ async def test_pipeline_start_does_not_wait_for_the_group_join(
         await pipeline.stop()
 
 
+@pytest.mark.slow  # a real Kafka-protocol broker
 async def test_pipeline_stops_cleanly_while_the_group_is_joining(
     tmp_path: Path,
     feedback_store: FeedbackStore,  # noqa: F811
