@@ -11,6 +11,7 @@ import pytest
 
 from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.errors import NotFoundError
 from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore, Incoming
 from clora_feedback.model.tiny import build_tiny_model_dir
@@ -134,3 +135,27 @@ def test_a_rollback_moves_the_line_and_a_restart_resumes_it(
     v5 = again.step()
     assert again.registry.get("a", v5).parent == v4
     again.close()
+
+
+def test_a_non_finite_step_publishes_no_candidate(
+    engine: EmbeddedEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release path checks a step's weights (and the trainer's lease) before writing a
+    candidate, as the hand-off path does before serving one."""
+    from clora_feedback.train import trainer as trainer_module
+
+    real = trainer_module.train_step
+
+    def diverging(*args: object, **kwargs: object) -> object:
+        results = real(*args, **kwargs)  # type: ignore[arg-type]
+        for batch in args[2]:  # type: ignore[attr-defined]
+            batch.state.params.fill_(float("nan"))
+        return results
+
+    monkeypatch.setattr(trainer_module, "train_step", diverging)
+    world = World(tmp_path, engine)
+    world.correct("a", 2)
+    assert world.trainer.run_round() == []
+    with pytest.raises(NotFoundError):  # no version, no release record
+        world.registry.versions("a")
+    world.close()

@@ -90,7 +90,7 @@ from clora_feedback.lifecycle import BackgroundTask
 from clora_feedback.lora.weights import LoRAWeights
 from clora_feedback.priority import lower_thread_priority
 from clora_feedback.store.lease import TrainerLeases
-from clora_feedback.store.versions import AdapterRef, AdapterStore
+from clora_feedback.store.versions import AdapterRef, AdapterStore, VersionInfo
 from clora_feedback.train.admission import Admission
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import PolicyModel
@@ -657,8 +657,6 @@ class ContinualTrainer(BackgroundTask):
             log.warning("agent %s: step discarded (pinned or rolled back during the step)", agent)
             self._drop(agent)
             return False
-        if self.releases is not None:
-            return self._publish_candidate(agent, run, result, window)
         if self.leases is not None and not self.leases.holds(agent):
             log.warning("agent %s: step discarded (its lease moved to another trainer)", agent)
             self._drop(agent)
@@ -668,6 +666,8 @@ class ContinualTrainer(BackgroundTask):
             log.error("agent %s: step %d produced non-finite weights; discarded", agent, state.step)
             self._drop(agent)  # the next round reloads the last good version
             return False
+        if self.releases is not None:
+            return self._publish_candidate(agent, run, result, window)
         # Built in the engine's own layout and checked above; the engine keeps this copy.
         weights = state.layout.to_weights(state.params)
         version = self.registry.next_version(agent)
@@ -676,17 +676,7 @@ class ContinualTrainer(BackgroundTask):
         try:
             with handoff:  # served from the next decode step; undone if the registry refuses
                 served = time.perf_counter()
-                self.registry.publish(
-                    agent,
-                    weights,
-                    optimizer_state=state.optimizer_state(),
-                    base_model=self._base_model,
-                    parent=state.version or None,
-                    step=state.step,
-                    metrics=result.metrics(),
-                    feedback_window=window,
-                    version=version,
-                )
+                self._write(agent, state, weights, result, window, version=version)
         except Exception as exc:
             self._drop(agent)
             if isinstance(exc, ConflictError):  # pinned or rolled back meanwhile: the step is void
@@ -709,6 +699,32 @@ class ContinualTrainer(BackgroundTask):
         )  # fmt: skip
         return True
 
+    def _write(
+        self,
+        agent: str,
+        state: AgentTrainState,
+        weights: LoRAWeights,
+        result: StepResult,
+        window: dict[str, object],
+        *,
+        activate: bool = True,
+        version: int | None = None,
+    ) -> VersionInfo:
+        """The registry's immutable version of this step: under a reserved `version`
+        (the hand-off path), or a candidate (`activate=False`, the release path)."""
+        return self.registry.publish(
+            agent,
+            weights,
+            optimizer_state=state.optimizer_state(),
+            base_model=self._base_model,
+            parent=state.version or None,
+            step=state.step,
+            metrics=result.metrics(),
+            feedback_window=window,
+            activate=activate,
+            version=version,
+        )
+
     def _publish_candidate(
         self, agent: str, run: _AgentRun, result: StepResult, window: dict[str, object]
     ) -> bool:
@@ -719,17 +735,7 @@ class ContinualTrainer(BackgroundTask):
         weights = state.layout.to_weights(state.params)
         t0 = time.perf_counter()
         try:
-            info = self.registry.publish(
-                agent,
-                weights,
-                optimizer_state=state.optimizer_state(),
-                base_model=self._base_model,
-                parent=state.version or None,
-                step=state.step,
-                metrics=result.metrics(),
-                feedback_window=window,
-                activate=False,
-            )
+            info = self._write(agent, state, weights, result, window, activate=False)
         except ConflictError as exc:  # pinned meanwhile: the step is void
             self._drop(agent)
             log.warning("agent %s: step discarded (%s)", agent, exc.message)
