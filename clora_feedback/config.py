@@ -172,8 +172,12 @@ class EngineConfig(BaseModel):
     device: str = Field(
         "auto", description="`auto` (CUDA when present, else CPU), `cpu` or `cuda[:N]`."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Working dtype of the base weights and KV cache."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Working dtype of the base weights and KV cache. `auto`: the fastest on the "
+        "device at hand (`clora_feedback.hardware`): bfloat16 on a CPU with native bf16 dot "
+        "products (avx512_bf16 or amx_bf16) or a bf16 GPU, float32 elsewhere (on an AVX2-only "
+        "CPU bf16 is several times slower). Stated in the start-up log.",
     )
     max_num_seqs: int = Field(16, ge=1, description="Most sequences in one decode batch.")
     max_waiting: int = Field(64, ge=0, description="Queued requests beyond the batch before 429.")
@@ -675,13 +679,14 @@ class TrainerConfig(BaseModel):
     batched_agents: int = Field(
         1, ge=1, description="Agents per forward/backward (1: serial swap steps, C-LoRA style)."
     )
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
         description="Dtype of the training forward/backward (base GEMMs, activations); LoRA "
-        "master weights, gradients and Adam moments stay fp32, the log-softmax fp32. bfloat16 "
-        "pays off only where the hardware multiplies bf16 natively (AMX, AVX512-BF16, GPUs): on "
-        "a plain AVX2 CPU a bf16 step is several times slower (docs/benchmarks-history.md, "
-        "`python -m benchmarks.precision`). A value other than engine.dtype gives the trainer its own copy of the base.",
+        "master weights, gradients and Adam moments stay fp32, the log-softmax fp32. `auto`: "
+        "bfloat16 where the hardware multiplies bf16 natively (AMX, AVX512-BF16, bf16 GPUs), "
+        "float32 elsewhere: on a plain AVX2 CPU a bf16 step is several times slower "
+        "(docs/benchmarks.md, `python -m benchmarks.precision`). A dtype other than the "
+        "engine's gives the trainer its own copy of the base.",
     )
     nice: int = Field(
         10,
