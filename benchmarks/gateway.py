@@ -83,7 +83,10 @@ async def gateway_overhead(
         agents=[AgentConfig(name=AGENT)],
     )
     app = create_app(
-        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=gateway_deployer(settings, engine)
+        settings,
+        engine,
+        AsyncTrajectoryStore(settings.trajectory_db),
+        deployer=gateway_deployer(settings, engine),
     )
     prompt_ids = list(engine.tokenizer.encode(prompt_text))
     body = {"model": AGENT, "prompt": prompt_text, "max_tokens": 1, "temperature": 0}

@@ -411,7 +411,9 @@ def _progress(message: str) -> None:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.precision", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.precision", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (default: %(default)s)")
     p.add_argument("--model-cache", type=Path, default=Path("var/models"), help="model cache root")
     p.add_argument("--quick", action="store_true", help="tiny random model, a few steps")

@@ -421,7 +421,9 @@ def _roofline_row(args: argparse.Namespace, f: Figures) -> Row:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.train", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help="base model spec (default: %(default)s)")
     p.add_argument("--model-cache", type=Path, default=Path("var/models"), help="model cache root")
     p.add_argument("--quick", action="store_true", help="tiny random model, one repetition")

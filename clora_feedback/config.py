@@ -573,7 +573,9 @@ class ReleaseConfig(BaseModel):
         "tests of training alone).",
     )
     interval_s: float = Field(
-        1.0, gt=0, description="Seconds between the release loop's looks at candidates and canaries."
+        1.0,
+        gt=0,
+        description="Seconds between the release loop's looks at candidates and canaries.",
     )
     gate: GateConfig = Field(
         default_factory=GateConfig, description="The offline gate a candidate passes first."
@@ -759,7 +761,7 @@ class ServerConfig(BaseModel):
         20,
         ge=0,
         description="Agents with rows of their own in `/metrics` (those with the most "
-        "completions); every other agent is folded into one `agent=\"_other\"` row, so a "
+        'completions); every other agent is folded into one `agent="_other"` row, so a '
         "scrape stays bounded whatever the number of agents. 0: aggregates only.",
     )
 

@@ -132,7 +132,9 @@ def render() -> str:
     sections: dict[str, list[Entry]] = {"": []}
     for entry in fields():
         if entry.model is not None:
-            sections.setdefault(entry.key + ("[]" if _section(entry.field.annotation)[1] else ""), [])
+            sections.setdefault(
+                entry.key + ("[]" if _section(entry.field.annotation)[1] else ""), []
+            )
         else:
             sections.setdefault(entry.section, []).append(entry)
     lines = [HEADER]

@@ -243,7 +243,10 @@ def test_cli_flags_file_and_stdin(
     monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps([resolution("f3", "c-sales")])))
     assert clora(*common, "--file", "-") == 1  # rejected by the store: support vs sales
     captured = capsys.readouterr()
-    assert "not a completion of agent 'support'" in captured.err and "agent 'sales'" not in captured.err
+    assert (
+        "not a completion of agent 'support'" in captured.err
+        and "agent 'sales'" not in captured.err
+    )
     assert store.event_state("f3") is None
 
     assert (
@@ -353,7 +356,10 @@ def test_completion_from_the_gateway_gets_its_reward(tiny_model_dir: Path, tmp_p
     )
     engine = EmbeddedEngine(tiny_model_dir, engine_config, model_name="tiny-base")
     app = create_app(
-        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=gateway_deployer(settings, engine)
+        settings,
+        engine,
+        AsyncTrajectoryStore(settings.trajectory_db),
+        deployer=gateway_deployer(settings, engine),
     )
     feedback = FeedbackStore(
         settings.trajectory_db,

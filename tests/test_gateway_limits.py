@@ -52,7 +52,10 @@ def production_server(model_dir: Path, data_dir: Path, **settings: Any) -> Itera
     config = Settings(data_dir=data_dir, engine=engine_config, **settings)
     engine = EmbeddedEngine(model_dir, engine_config, model_name="tiny-base")
     app = create_app(
-        config, engine, AsyncTrajectoryStore(config.trajectory_db), deployer=gateway_deployer(config, engine)
+        config,
+        engine,
+        AsyncTrajectoryStore(config.trajectory_db),
+        deployer=gateway_deployer(config, engine),
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -204,7 +204,10 @@ def test_the_gateway_follows_the_engines_capabilities(tiny_model_dir: Path, tmp_
     settings = Settings(data_dir=tmp_path, engine=config, agents=[{"name": "support"}])
     engine = _NarrowEngine(EmbeddedEngine(tiny_model_dir, config, model_name="tiny-base"))
     app = create_app(
-        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=gateway_deployer(settings, engine)
+        settings,
+        engine,
+        AsyncTrajectoryStore(settings.trajectory_db),
+        deployer=gateway_deployer(settings, engine),
     )
     tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
     with serve_app(app, engine) as gateway:

@@ -69,7 +69,10 @@ def vllm_gateway(vllm_server: VLLMServer, tmp_path: Path) -> Iterator[GatewaySer
         agents=[{"name": "support", "adapter_path": str(adapter)}],
     )
     app = create_app(
-        settings, engine, AsyncTrajectoryStore(settings.trajectory_db), deployer=gateway_deployer(settings, engine)
+        settings,
+        engine,
+        AsyncTrajectoryStore(settings.trajectory_db),
+        deployer=gateway_deployer(settings, engine),
     )
     with serve_app(app, engine) as gateway:
         yield gateway

@@ -173,10 +173,14 @@ def test_only_the_top_imports_demo_and_bench(module: str) -> None:
 def test_the_package_never_imports_the_repository_benchmarks(module: str) -> None:
     """`benchmarks/` is not installed: nothing in the package may need it."""
     for name in _imports(_path(module)):
-        assert name != "benchmarks" and not name.startswith("benchmarks."), f"{module} imports {name}"
+        assert name != "benchmarks" and not name.startswith("benchmarks."), (
+            f"{module} imports {name}"
+        )
 
 
-INDIRECT = {"gguf": "transformers converts the default model's GGUF file with it (model/default.py)"}
+INDIRECT = {
+    "gguf": "transformers converts the default model's GGUF file with it (model/default.py)"
+}
 """Runtime dependencies the package needs without importing them, and why."""
 
 

@@ -132,9 +132,7 @@ def test_delete_route_is_admin_only_and_documented(tmp_path: Path, tiny_model_di
     )  # fmt: skip
     engine = EmbeddedEngine(tiny_model_dir, config, model_name="tiny-base")
     store = AsyncTrajectoryStore(settings.trajectory_db)
-    app = create_app(
-        settings, engine, store, deployer=gateway_deployer(settings, engine)
-    )
+    app = create_app(settings, engine, store, deployer=gateway_deployer(settings, engine))
     with TestClient(app) as client:
         now = time.time()
         for i, conversation in enumerate(["k1", "k1", "k2"]):

@@ -119,8 +119,13 @@ def test_ingest_worker_reads_its_knobs_from_settings(tmp_path: Path) -> None:
         agents=[{"name": "a"}],  # type: ignore[list-item]
         feedback={  # type: ignore[arg-type]
             "rejoin_interval_s": 0.5,
-            "kafka": {"bootstrap_servers": "127.0.0.1:1", "session_timeout_ms": 4000,
-                      "heartbeat_interval_ms": 700, "commit_delay_s": 0.25, "group_id": "g"},
+            "kafka": {
+                "bootstrap_servers": "127.0.0.1:1",
+                "session_timeout_ms": 4000,
+                "heartbeat_interval_ms": 700,
+                "commit_delay_s": 0.25,
+                "group_id": "g",
+            },
         },
     )
     worker = build_ingest_worker(settings)

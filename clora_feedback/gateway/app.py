@@ -122,4 +122,3 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.server.max_body_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     return app
-
