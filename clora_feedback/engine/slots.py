@@ -317,11 +317,6 @@ class AdapterSlots:
             entry.hold(None)
             self.drops += 1
 
-    def touch(self, agent: str) -> None:
-        """Mark `agent`'s copy as recently used (caller holds `lock`)."""
-        if agent in self._adapters:
-            self._adapters.move_to_end(agent)
-
     # -- the step's side ------------------------------------------------------------
 
     @property

@@ -78,9 +78,6 @@ class Route:
     agent: str | None
     engine_agent: str | None
     adapter_version: int
-    arm: str = "serving"
-    """`serving`, or `canary` when a release's canary serves this request (its version is
-    `adapter_version`, recorded with the trajectory)."""
 
 
 @dataclass
@@ -180,9 +177,8 @@ class AgentRegistry:
         if sticky is not None and self.canary_route is not None:
             arm = self.canary_route(model, sticky)
             if arm is not None:
-                return Route(
-                    model, model, engine_agent=arm[0], adapter_version=arm[1], arm="canary"
-                )
+                # The canary's engine name and version (recorded with the trajectory).
+                return Route(model, model, engine_agent=arm[0], adapter_version=arm[1])
         live = self.version(model)
         if live is None:
             return Route(model, agent=model, engine_agent=None, adapter_version=BASE_VERSION)

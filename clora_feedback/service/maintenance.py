@@ -54,6 +54,7 @@ def prune_once(settings: Settings, keep_last: int | None = None) -> RetentionRep
 def store_parts(settings: Settings) -> list[StorePart]:
     """The three stores of a `clora serve` with these settings, as migration parts."""
     from clora_feedback.feedback import tables as feedback_tables
+    from clora_feedback.service.parts import open_stores
     from clora_feedback.store import trajectories
     from clora_feedback.store.migrate import StorePart
     from clora_feedback.store.registry import schema as registry_schema
@@ -71,7 +72,7 @@ def store_parts(settings: Settings) -> list[StorePart]:
             source=settings.trajectory_db,
             tables=tuple(feedback_tables.PG_TABLES),
             version_table="feedback_schema",
-            open_store=lambda url: _FeedbackStores(url, settings),
+            open_store=lambda url: open_stores(settings, url),
             seeded=("rejoin_cursor",),
         ),
         StorePart(
@@ -116,30 +117,6 @@ def check_version_dirs(settings: Settings) -> None:
             "does not hold: pass the registry's adapters directory as --adapters-dir",
             code="version_dirs_missing",
         )
-
-
-class _FeedbackStores:
-    """A feedback store with the trajectory store it joins through; closes both."""
-
-    def __init__(self, url: str | Path, settings: Settings) -> None:
-        from clora_feedback.feedback.rewards import DefaultRewardPolicy
-        from clora_feedback.feedback.store import FeedbackStore
-        from clora_feedback.store.trajectories import TrajectoryStore
-
-        self._trajectories = TrajectoryStore(url)
-        try:
-            self._feedback = FeedbackStore(
-                url,
-                trajectories=self._trajectories,
-                policy=DefaultRewardPolicy(settings.feedback),
-            )
-        except BaseException:
-            self._trajectories.close()
-            raise
-
-    def close(self) -> None:
-        self._feedback.close()
-        self._trajectories.close()
 
 
 class _Closing:

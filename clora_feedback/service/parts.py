@@ -64,11 +64,18 @@ class Stores:
         self.trajectories.close()
 
 
-def open_stores(settings: Settings) -> Stores:
-    # store_url set: one PostgreSQL database for every store; else SQLite under data_dir.
+def open_stores(settings: Settings, url: str | Path | None = None) -> Stores:
+    """The trajectory store and the feedback store joined through it, at `url` (default
+    `settings.trajectory_db_url`: with `store_url`, one PostgreSQL database for every store;
+    else SQLite under `data_dir`), scoring with the configured reward policy."""
+    url = settings.trajectory_db_url if url is None else url
     policy = DefaultRewardPolicy(settings.feedback)  # rewards made when samples are read
-    trajectories = TrajectoryStore(settings.trajectory_db_url)
-    feedback = FeedbackStore(settings.trajectory_db_url, trajectories=trajectories, policy=policy)
+    trajectories = TrajectoryStore(url)
+    try:
+        feedback = FeedbackStore(url, trajectories=trajectories, policy=policy)
+    except BaseException:
+        trajectories.close()
+        raise
     return Stores(policy, trajectories, feedback)
 
 
