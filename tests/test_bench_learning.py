@@ -164,3 +164,17 @@ def test_trainer_overrides_change_only_what_they_name() -> None:
             trainer_config([bad])
     args = build_parser().parse_args(["--trainer", "replay=0", "--trainer", "warmup_steps=0"])
     assert args.trainer == ["replay=0", "warmup_steps=0"]
+
+
+def test_release_overrides_change_only_what_they_name() -> None:
+    from clora_feedback.bench.learning import build_parser, release_config
+    from clora_feedback.config import ReleaseConfig
+
+    assert release_config([]) == ReleaseConfig()
+    config = release_config(["enabled=false", "gate.max_cases=48"])
+    assert (config.enabled, config.gate.max_cases) == (False, 48)
+    assert config.canary == ReleaseConfig().canary
+    with pytest.raises(ValueError, match="--release"):
+        release_config(["gate.max_cases=1"])
+    args = build_parser().parse_args(["--release", "enabled=false"])
+    assert args.release == ["enabled=false"]

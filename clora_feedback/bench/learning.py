@@ -56,9 +56,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from clora_feedback.bench.learning_report import (
     EvalPoint,
@@ -224,16 +224,20 @@ class LearningConfig:
     max_model_len: int = 1024
     num_threads: int | None = None
     trainer: tuple[str, ...] = ()  # KEY=VALUE overrides of `TrainerConfig` (ablations)
+    release: tuple[str, ...] = ()  # KEY=VALUE overrides of `ReleaseConfig` (ablations)
 
 
-def trainer_config(overrides: Sequence[str]) -> TrainerConfig:
-    """`TrainerConfig()` with `KEY=VALUE` overrides (dotted keys for nested settings, JSON
-    values, else strings): the defaults unless an ablation says otherwise.
+M = TypeVar("M", bound=BaseModel)
+
+
+def overridden(model: type[M], overrides: Sequence[str], flag: str) -> M:
+    """`model()` with `KEY=VALUE` overrides (dotted keys for nested settings, JSON values,
+    else strings): the defaults unless an ablation says otherwise.
 
     Raises:
         ValueError: a malformed override, an unknown key or a value the model refuses.
     """
-    data = TrainerConfig().model_dump()
+    data = model().model_dump()
     for item in overrides:
         key, sep, raw = item.partition("=")
         *path, leaf = key.strip().split(".")
@@ -241,18 +245,28 @@ def trainer_config(overrides: Sequence[str]) -> TrainerConfig:
         for part in path:
             child = node.get(part)
             if not isinstance(child, dict):
-                raise ValueError(f"--trainer {item!r}: no setting group {part!r}")
+                raise ValueError(f"{flag} {item!r}: no setting group {part!r}")
             node = child
         if not sep or leaf not in node or isinstance(node[leaf], dict):
-            raise ValueError(f"--trainer {item!r}: expected KEY=VALUE with a trainer setting")
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE with a setting of that group")
         try:
             node[leaf] = json.loads(raw)
         except json.JSONDecodeError:
             node[leaf] = raw
     try:
-        return TrainerConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"--trainer: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
+        raise ValueError(f"{flag}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
+
+
+def trainer_config(overrides: Sequence[str]) -> TrainerConfig:
+    """`TrainerConfig()` with `--trainer KEY=VALUE` overrides (see `overridden`)."""
+    return overridden(TrainerConfig, overrides, "--trainer")
+
+
+def release_config(overrides: Sequence[str]) -> ReleaseConfig:
+    """`ReleaseConfig()` with `--release KEY=VALUE` overrides (see `overridden`)."""
+    return overridden(ReleaseConfig, overrides, "--release")
 
 
 def learning_settings(model_dir: Path, data_dir: Path, cfg: LearningConfig) -> Settings:
@@ -264,7 +278,7 @@ def learning_settings(model_dir: Path, data_dir: Path, cfg: LearningConfig) -> S
     )  # fmt: skip
     settings = service_settings(model_dir, data_dir, engine, [AGENT])
     settings.trainer = trainer_config(cfg.trainer)
-    settings.release = ReleaseConfig()  # the experiment turns it off; a new user has it on
+    settings.release = release_config(cfg.release)  # experiments turn it off; users have it on
     return settings
 
 
@@ -482,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, default=None, help="Stores and adapters (default: a temporary directory).")  # fmt: skip
     p.add_argument("--replot", type=Path, default=None, help="Redraw OUT.* from this JSON record; run nothing.")  # fmt: skip
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE", help="Override one trainer setting (repeatable; dotted keys, e.g. admission.min_batch=8): ablations, recorded with the results; the default is every default.")  # fmt: skip
+    p.add_argument("--release", action="append", default=[], metavar="KEY=VALUE", help="Override one release setting (repeatable; dotted keys, e.g. enabled=false or gate.max_cases=48), recorded with the results.")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("var/bench/learning"), help="Writes OUT.json, OUT.md, OUT.png.")  # fmt: skip
     return p
 
@@ -506,9 +521,11 @@ def run(argv: Sequence[str]) -> int:
         tasks=tasks, minutes=args.minutes, seed=args.seed, users=args.users, think_s=args.think,
         temperature=args.temperature, held_out=args.held_out, eval_every_s=args.eval_every,
         max_model_len=args.max_model_len, num_threads=args.threads, trainer=tuple(args.trainer),
+        release=tuple(args.release),
     )  # fmt: skip
     try:
         trainer = trainer_config(cfg.trainer)
+        release_config(cfg.release)
     except ValueError as exc:
         print(exc)
         return 2
@@ -525,12 +542,13 @@ def run(argv: Sequence[str]) -> int:
     facts["model"] = str(args.model or DEFAULT_MODEL)
     facts["code at start"] = code
     facts["trainer overrides"] = ", ".join(cfg.trainer) or "none (every default)"
+    facts["release overrides"] = ", ".join(cfg.release) or "none (every default)"
     facts["trainer"] = (
         f"lr {trainer.lr:g}, warm-up {trainer.warmup_steps} steps, "
         f"admission {trainer.admission.min_batch}-{trainer.admission.max_batch} samples, "
         f"trigger {trainer.trigger_interval_s:g} s"
     )
-    release = ReleaseConfig()
+    release = release_config(cfg.release)
     facts["release"] = (
         f"gate min {release.gate.min_cases} cases (holdout {release.gate.holdout_fraction:g}), "
         f"canary {release.canary.share:.0%} until {release.canary.min_feedback} rewards"
