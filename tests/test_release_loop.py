@@ -309,9 +309,11 @@ async def test_the_canary_test_looks_once_per_new_reward_on_rewards_since_its_st
     )
 
 
+@pytest.mark.parametrize("undecided", ["invalid", "inconclusive"])
 async def test_an_old_invalid_version_is_not_regated_every_look(
-    registry: AdapterRegistry, monkeypatch: pytest.MonkeyPatch
+    registry: AdapterRegistry, monkeypatch: pytest.MonkeyPatch, undecided: str
 ) -> None:
+    """Only an agent's newest undecided version is judged again, once its cases grew."""
     evalset = Cases(1)
     loop, _, _ = _loop(registry, gate=RacedGate(registry, "passed"), evalset=evalset)
     book = ReleaseBook(registry)
@@ -331,7 +333,7 @@ async def test_an_old_invalid_version_is_not_regated_every_look(
     await loop.look()
     assert calls == [] and book.get("a", old).state == "invalid"  # type: ignore[union-attr]
     newest = _publish(registry)
-    book.record("a", newest, "invalid", stage="gate", evidence={"cases": 5, "code": "timeout"})
+    book.record("a", newest, undecided, stage="gate", evidence={"cases": 5})
     await loop.look()
     assert calls == []  # its evaluation set has not grown
     evalset.n = 6

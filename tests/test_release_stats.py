@@ -69,10 +69,35 @@ def test_paired_bound_passes_improvements_and_fails_collapses() -> None:
     assert result.passed and result.lower == 0.0
     collapsed = [-1.0] * 8 + [0.0] * 8  # lost half the cases it had right
     verdict = paired_verdict(collapsed, max_drop=0.1, confidence=0.9)
-    assert not verdict.passed and verdict.lower < -0.3
+    assert verdict.outcome == "failed" and verdict.lower < -0.3 and verdict.upper < 0
     assert verdict.as_evidence()["n"] == 16
     with pytest.raises(ValueError):
         paired_verdict([0.5], max_drop=0.1, confidence=0.9)
+
+
+def test_an_equal_candidate_that_answers_differently_is_inconclusive_not_failed() -> None:
+    """Two versions of the same quality that disagree on most of 24 binary cases (what
+    successive versions of a learning agent do): neither shown within the margin nor shown
+    worse, so nothing is rejected; the same numbers with the candidate ahead pass."""
+    swapped = [1.0] * 9 + [-1.0] * 9 + [0.0] * 6  # mean 0, sd 0.89
+    equal = paired_verdict(swapped, max_drop=0.1, confidence=0.9)
+    assert equal.outcome == "inconclusive" and equal.lower < -0.1 < 0 < equal.upper
+    ahead = paired_verdict([1.0] * 11 + [-1.0] * 7 + [0.0] * 6, max_drop=0.1, confidence=0.9)
+    assert ahead.outcome == "passed", ahead
+    behind = paired_verdict([1.0] * 3 + [-1.0] * 11 + [0.0] * 10, max_drop=0.1, confidence=0.9)
+    assert behind.outcome == "failed" and behind.upper < 0
+
+
+def test_an_equal_candidate_is_rarely_failed() -> None:
+    """At a true mean difference of 0 the upper bound falls below 0 about 1 - confidence."""
+    rng = random.Random(5)
+    trials = 2000
+    failed = sum(
+        paired_verdict([rng.choice((1.0, -1.0, 0.0)) for _ in range(24)], max_drop=0.1,
+                       confidence=0.9).outcome == "failed"
+        for _ in range(trials)
+    )  # fmt: skip
+    assert 0.06 <= failed / trials <= 0.13
 
 
 def test_paired_bound_false_reject_rate_is_calibrated_at_the_margin() -> None:

@@ -117,6 +117,21 @@ def test_a_rejection_restarts_from_the_newest_good_candidate(
     world.close()
 
 
+def test_an_undecided_verdict_keeps_the_line(engine: EmbeddedEngine, tmp_path: Path) -> None:
+    """`inconclusive` and `invalid` do not reject: the trainer continues from that candidate
+    (only `failed` and `aborted` restart the line), and the pointer stays where it was."""
+    world = World(tmp_path, engine)
+    v1 = world.step()
+    world.book.record("a", v1, "inconclusive", stage="gate", evidence={"reason": "wide bound"})
+    v2 = world.step()
+    assert world.registry.get("a", v2).parent == v1
+    world.book.record("a", v2, "invalid", stage="gate", evidence={"reason": "timeout"})
+    v3 = world.step()
+    assert world.registry.get("a", v3).parent == v2
+    assert world.registry.agent("a").active_version is None
+    world.close()
+
+
 def test_a_rollback_moves_the_line_and_a_restart_resumes_it(
     engine: EmbeddedEngine, tmp_path: Path
 ) -> None:

@@ -12,11 +12,12 @@ Every `release.interval_s`, per agent:
    evaluating only the newest keeps the gate's cost per candidate, not per step) and
    judged offline against what serves (`gate.OfflineGate`) with the candidate loaded
    under `arms.gate_name`; `passed` starts a canary (`canary.enabled`) or promotes at
-   once; `failed` and `invalid` are recorded with their evidence and never serve.
+   once; `failed`, `inconclusive` and `invalid` are recorded with their evidence and never
+   serve (only `failed` rejects: the trainer keeps the line of an undecided one).
    Every verdict is a compare-and-set on the state it was read in (another gateway's
    loop may have moved the version meanwhile: the verdict is then dropped). An
-   `invalid` newest version is judged again when its evaluation set has grown past the
-   cases it was judged on (and reaches `gate.min_cases`). Pinned agents are skipped
+   `invalid` or `inconclusive` newest version is judged again when its evaluation set
+   has grown past the cases it was judged on (and reaches `gate.min_cases`). Pinned agents are skipped
    (a pin stops the release path; a pinned agent's canary is never promoted by it).
 
 Canary arms are restored from the registry on start and followed every look (another
@@ -50,6 +51,9 @@ from clora_feedback.store.registry.releases import ReleaseBook, ReleaseRecord
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+UNDECIDED = frozenset({"invalid", "inconclusive"})
+"""Gate verdicts that decide nothing: judged again on more cases while newest."""
 
 RewardSource = Callable[[str, int, float | None], Sequence[float]]
 """(agent, version, since) -> live rewards of the samples that version served whose feedback
@@ -114,7 +118,7 @@ class ReleaseController(BackgroundTask):
         self.routed: Counter[tuple[str, int]] = Counter()
         """Requests routed to each canary (agent, version) by this process."""
         self.verdicts: Counter[tuple[str, str]] = Counter()
-        """(stage, verdict) counts since start: gate passed|failed|invalid, canary promoted|aborted."""
+        """(stage, verdict) counts since start: gate passed|failed|inconclusive|invalid, canary promoted|aborted."""
         self._retried: dict[str, tuple[int, int]] = {}  # agent -> (version, cases) last retried
         self._looked: dict[str, tuple[int, int]] = {}  # agent -> (canary version, n_canary) judged
         self._busy = asyncio.Lock()  # one decision at a time (the loop, an operator)
@@ -164,7 +168,7 @@ class ReleaseController(BackgroundTask):
         waiting += await asyncio.to_thread(self.book.in_state, "passed")
         agents = {r.agent for r in waiting}
         retry: set[str] = set()
-        for record in await asyncio.to_thread(self.book.newest_invalid):
+        for record in await asyncio.to_thread(self.book.newest_undecided):
             free = record.agent not in agents and record.agent not in self._canaries
             if free and await self._retry_due(record.agent, record):
                 retry.add(record.agent)
@@ -282,7 +286,7 @@ class ReleaseController(BackgroundTask):
             return
         if waiting:
             version = waiting[-1]
-        elif retry and newest is not None and records[newest].state == "invalid":
+        elif retry and newest is not None and records[newest].state in UNDECIDED:
             version = newest
         else:
             return
@@ -334,9 +338,9 @@ class ReleaseController(BackgroundTask):
         return True
 
     async def _retry_due(self, agent: str, record: ReleaseRecord) -> bool:
-        """An `invalid` newest version is evaluated again once its evaluation set has grown
-        past the cases it was judged on (and reaches `gate.min_cases`)."""
-        if record.state != "invalid" or self.evalset is None:
+        """An `invalid` or `inconclusive` newest version is evaluated again once its evaluation
+        set has grown past the cases it was judged on (and reaches `gate.min_cases`)."""
+        if record.state not in UNDECIDED or self.evalset is None:
             return False
         judged = int(record.evidence.get("gate", {}).get("cases", 0))
         cases = len(await asyncio.to_thread(self.evalset.cases, agent, limit=self.max_cases))

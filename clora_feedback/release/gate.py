@@ -9,7 +9,13 @@ decides on the paired differences (`stats.paired_verdict`):
 
 - **passed**: not worse than serving by more than `gate.max_drop` at
   `gate.confidence` (one-sided lower bound);
-- **failed**: not shown so; the candidate is rejected, kept on disk with this evidence;
+- **failed**: shown worse than serving (the one-sided upper bound of the mean
+  difference below 0); the candidate is rejected, kept on disk with this evidence,
+  and the trainer stops continuing from it;
+- **inconclusive**: neither (two versions of about the same quality that answer many
+  cases differently: on a learning agent, most successive versions). It does not
+  serve and is not rejected: the trainer keeps its line, and a newer candidate (or
+  this one, once its cases have grown) is judged again;
 - **invalid**: fewer than `gate.min_cases` cases, an engine or evaluator error (any
   exception, logged with its traceback), a timeout, or an
   answer attributed to another version than the one asked for (a move raced the
@@ -49,7 +55,7 @@ __all__ = ["GateSettings", "GateVerdict", "OfflineGate", "score"]
 
 log = logging.getLogger(__name__)
 
-Verdict = Literal["passed", "failed", "invalid"]
+Verdict = Literal["passed", "failed", "inconclusive", "invalid"]
 
 
 def score(policy: RewardPolicy, agent: str, output: str, answer: str) -> float:
@@ -194,13 +200,18 @@ class OfflineGate:
                 for c, n, o in list(zip(cases, new, old, strict=True))[:3]
             ],
         }
+        bound = (
+            f"lower {cfg.confidence:.0%} bound {result.lower:+.3f} >= -{cfg.max_drop:g}"
+            if result.passed else
+            f"upper {cfg.confidence:.0%} bound {result.upper:+.3f} < 0" if result.outcome == "failed"
+            else f"bounds {result.lower:+.3f} < -{cfg.max_drop:g} and {result.upper:+.3f} >= 0"
+        )  # fmt: skip
         words = (
             f"v{candidate[1]} scored {evidence['candidate_mean']:.3f} against serving "
             f"v{serving[1]}'s {evidence['serving_mean']:.3f} on {len(cases)} cases; mean "
-            f"difference {result.mean:+.3f}, lower {cfg.confidence:.0%} bound {result.lower:+.3f} "
-            f"{'>=' if result.passed else '<'} -{cfg.max_drop:g}"
+            f"difference {result.mean:+.3f}, {bound}"
         )
-        return GateVerdict("passed" if result.passed else "failed", words, evidence)
+        return GateVerdict(result.outcome, words, evidence)
 
     async def _answers(
         self,

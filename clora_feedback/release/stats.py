@@ -4,12 +4,15 @@ Two questions, each answered with Student's t (only `math` needed):
 
 - **Offline gate** (`paired_verdict`): candidate and serving answered the same
   `n` cases; `d_i = score(candidate, i) - score(serving, i)`. The one-sided
-  lower confidence bound of the mean difference is
-  `mean(d) - t(confidence, n - 1) * sd(d) / sqrt(n)`; the candidate passes when
-  that bound is at least `-max_drop` (not worse than serving by more than
-  `max_drop` at the stated confidence) and fails otherwise. Pairing removes the
-  variance of the cases themselves (hard cases are hard for both versions), so a
-  few dozen cases decide what two independent samples could not.
+  confidence bounds of the mean difference are
+  `mean(d) -/+ t(confidence, n - 1) * sd(d) / sqrt(n)`. Three outcomes: **passed**
+  when the lower bound is at least `-max_drop` (shown not worse than serving by
+  more than `max_drop`); **failed** when the upper bound is below 0 (shown worse
+  than serving); **inconclusive** otherwise (neither shown: on two dozen binary
+  cases that two versions answer differently the bound is +-0.2 wide, so a
+  candidate equal to serving is neither). Pairing removes the variance of the
+  cases themselves (hard cases are hard for both versions), so a few dozen cases
+  decide what two independent samples could not.
 - **Canary** (`sequential_worse`): two independent arms of live rewards, judged
   at every look (each new canary reward from the `FIRST_LOOK`-th on). The
   one-sided Welch test of H0: `mean(serving) - mean(canary) <= 0` is rejected
@@ -36,8 +39,10 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = [
+    "PairedOutcome",
     "PairedResult",
     "WelchResult",
     "paired_verdict",
@@ -111,6 +116,9 @@ def student_t_ppf(p: float, df: float) -> float:
     return (lo + hi) / 2.0
 
 
+PairedOutcome = Literal["passed", "failed", "inconclusive"]
+
+
 @dataclass(frozen=True)
 class PairedResult:
     """The offline gate's statistics over `n` paired differences (candidate - serving)."""
@@ -123,26 +131,34 @@ class PairedResult:
     """Sample standard deviation of the differences (0 with one case)."""
     lower: float
     """One-sided lower confidence bound of the mean difference."""
-    passed: bool
-    """`lower >= -max_drop`."""
+    upper: float
+    """One-sided upper confidence bound of the mean difference."""
+    outcome: PairedOutcome
+    """`passed` (`lower >= -max_drop`), `failed` (`upper < 0`), else `inconclusive`."""
 
-    def as_evidence(self) -> dict[str, float | int | bool]:
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "passed"
+
+    def as_evidence(self) -> dict[str, float | int | bool | str]:
         return {
             "n": self.n,
             "mean_diff": round(self.mean, 6),
             "sd_diff": round(self.sd, 6),
             "lower_bound": round(self.lower, 6),
+            "upper_bound": round(self.upper, 6),
+            "outcome": self.outcome,
             "passed": self.passed,
         }
 
 
 def paired_verdict(diffs: Sequence[float], *, max_drop: float, confidence: float) -> PairedResult:
-    """Judge paired score differences: not worse by more than `max_drop` at `confidence`?
+    """Judge paired score differences: not worse by more than `max_drop`, worse, or unknown?
 
     Args:
         diffs: candidate score - serving score, one per case (at least 2).
         max_drop: tolerated drop of the mean score, in reward units (>= 0).
-        confidence: one-sided confidence of the bound, in (0.5, 1).
+        confidence: one-sided confidence of each bound, in (0.5, 1).
 
     Raises:
         ValueError: fewer than 2 differences.
@@ -152,8 +168,12 @@ def paired_verdict(diffs: Sequence[float], *, max_drop: float, confidence: float
         raise ValueError("a paired bound needs at least 2 cases")
     mean = statistics.fmean(diffs)
     sd = statistics.stdev(diffs)
-    lower = mean - student_t_ppf(confidence, n - 1) * sd / math.sqrt(n) if sd > 0 else mean
-    return PairedResult(n, mean, sd, lower, lower >= -max_drop)
+    half = student_t_ppf(confidence, n - 1) * sd / math.sqrt(n) if sd > 0 else 0.0
+    lower, upper = mean - half, mean + half
+    outcome: PairedOutcome = (
+        "passed" if lower >= -max_drop else "failed" if upper < 0 else "inconclusive"
+    )
+    return PairedResult(n, mean, sd, lower, upper, outcome)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,15 @@ class RollbackRequest(BaseModel):
 
 
 ReleaseState = Literal[
-    "candidate", "skipped", "passed", "failed", "invalid", "canary", "promoted", "aborted"
+    "candidate",
+    "skipped",
+    "passed",
+    "failed",
+    "inconclusive",
+    "invalid",
+    "canary",
+    "promoted",
+    "aborted",
 ]
 """A version's state on the release path (see `clora_feedback.store.registry.releases`)."""
 

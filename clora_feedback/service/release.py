@@ -102,7 +102,7 @@ def release_families(controller: ReleaseController) -> list[Family]:
     return [
         Family(
             "clora_release_verdicts_total", "counter",
-            "Release verdicts since start: gate passed|failed|invalid, canary "
+            "Release verdicts since start: gate passed|failed|inconclusive|invalid, canary "
             "started|promoted|aborted, operator promoted|aborted.",
             ("stage", "verdict"), dict(controller.verdicts),
         ),

@@ -11,8 +11,9 @@ States (`ReleaseState`):
 
 - `candidate`: the trainer published it; it serves nothing.
 - `skipped`: a newer candidate arrived before the gate took this one (never judged).
-- `passed` / `failed` / `invalid`: the offline gate's verdict (failed: rejected, kept
-  on disk; invalid: could not decide, never serves).
+- `passed` / `failed` / `inconclusive` / `invalid`: the offline gate's verdict (failed:
+  shown worse, rejected, kept on disk; inconclusive: neither shown not worse nor shown
+  worse, never serves, not rejected; invalid: could not decide, never serves).
 - `canary`: serving `share` of its agent's requests beside the serving version; at
   most one per agent (checked in the transaction that starts it).
 - `promoted`: the active pointer moved to it (`promote`: the pointer's compare-and-set
@@ -50,7 +51,15 @@ if TYPE_CHECKING:
 __all__ = ["REJECTED", "ReleaseBook", "ReleaseRecord", "ReleaseState", "end_canaries"]
 
 ReleaseState = Literal[
-    "candidate", "skipped", "passed", "failed", "invalid", "canary", "promoted", "aborted"
+    "candidate",
+    "skipped",
+    "passed",
+    "failed",
+    "inconclusive",
+    "invalid",
+    "canary",
+    "promoted",
+    "aborted",
 ]
 STATES: tuple[str, ...] = get_args(ReleaseState)
 REJECTED: frozenset[str] = frozenset({"failed", "aborted"})
@@ -147,12 +156,13 @@ class ReleaseBook:
             ).fetchall()
         return [_record(r) for r in found]
 
-    def newest_invalid(self) -> list[ReleaseRecord]:
-        """Every `invalid` version that is its agent's newest release record (what the release
-        loop may evaluate again), by agent."""
+    def newest_undecided(self) -> list[ReleaseRecord]:
+        """Every `invalid` or `inconclusive` version that is its agent's newest release record
+        (what the release loop may evaluate again, on more cases), by agent."""
         with self._db.read() as conn:
             found = conn.execute(
-                f"SELECT {_COLUMNS} FROM releases r WHERE state = 'invalid' AND version = "
+                f"SELECT {_COLUMNS} FROM releases r WHERE state IN ('invalid', 'inconclusive') "
+                "AND version = "
                 "(SELECT max(version) FROM releases n WHERE n.agent = r.agent) ORDER BY agent",
             ).fetchall()
         return [_record(r) for r in found]
