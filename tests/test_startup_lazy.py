@@ -64,6 +64,7 @@ async def test_start_up_reads_no_weights_and_a_first_request_reads_one(
     from clora_feedback.config import EngineConfig
     from clora_feedback.engine.deployer import Deployer
     from clora_feedback.engine.embedded import EmbeddedEngine
+    from clora_feedback.engine.probe import NoopProbe
     from clora_feedback.engine.types import GenerationRequest, SamplingParams
     from clora_feedback.lora.peft_io import save_peft_adapter
     from clora_feedback.lora.weights import random_lora_weights
@@ -76,17 +77,23 @@ async def test_start_up_reads_no_weights_and_a_first_request_reads_one(
             weights = random_lora_weights(engine.lora_limits, seed=i, std=0.3)
             save_peft_adapter(weights, tmp_path / "src" / agent, base_model="tiny")
             registry.register_initial(agent, tmp_path / "src" / agent, limits=engine.lora_limits)
-        deployer = Deployer(engine, registry)
+        probe = NoopProbe(engine, registry)  # as the service wires it
+        deployer = Deployer(engine, registry, on_installed=probe.schedule)
         await engine.start()
         try:
             await deployer.start()
             assert {a: deployer.serving(a) for a in agents} == dict.fromkeys(agents, 1)
             assert engine.adapters() == dict.fromkeys(agents, 1)
-            assert engine.host_cache_stats()["reads"] == 0  # pointers and manifests only
+            await probe.idle()
+            # Pointers and manifests only: restoring what served before is no new version,
+            # so the no-op probe reads nothing (it read every adapter here before).
+            assert engine.host_cache_stats()["reads"] == 0
+            assert probe.results == {}
             request = GenerationRequest("r", "agent-3", [1, 2, 3], SamplingParams(max_tokens=3))
             chunks = await engine.add_request(request).collect()
             assert [t.adapter_version for c in chunks for t in c.tokens] == [1, 1, 1]
             assert engine.host_cache_stats()["reads"] == 1  # this agent's, on its request
         finally:
+            await probe.stop()
             await deployer.stop()
             await engine.stop()

@@ -48,7 +48,9 @@ Every load is checked first (`AdapterRegistry.check_loadable` / `load`,
 or whose manifest records another base model (weights, tokenizer, chat
 template digests), is refused before the engine is touched, so the previous
 version keeps serving. Each newly served version is reported to `on_installed`
-(the no-op probe, `engine.probe`, runs there, off the serving path).
+(the no-op probe, `engine.probe`, runs there, off the serving path); the versions
+`start` restores are not (they served before; probing them would read every
+agent's weights at start-up).
 
 One exception to "engine first": a runtime load (`adopt`) on an engine that reads
 adapters from a directory (vLLM) publishes first, so the engine is given the
@@ -164,6 +166,7 @@ class Deployer(BackgroundTask):
         # only for one staged slot write (or its undo), so the event loop waits briefly.
         self._engine_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # for hand-offs from threads
+        self._restoring = False  # `start`'s reconcile: installs are not reported
         self.listen_url = listen_url
         self._listener: asyncio.Task[None] | None = None
         self._nudges: set[asyncio.Task[None]] = set()
@@ -181,7 +184,11 @@ class Deployer(BackgroundTask):
         self._loop = asyncio.get_running_loop()
         if self._lazy is not None:
             await self._register_all()
-        await self.reconcile()
+        self._restoring = True  # what served before the start is no newly served version
+        try:
+            await self.reconcile()
+        finally:
+            self._restoring = False
         await super().start()
         if self.listen_url is not None and self._listener is None:
             from clora_feedback.store.notify import listen_pointer_moves
@@ -205,7 +212,9 @@ class Deployer(BackgroundTask):
         """Start-up on a lazy engine: every active version registered by its directory in
         one pass off the event loop (a registry row, a manifest, an adapter config and a
         safetensors header per agent; no weights), so start-up is O(agents) in metadata.
-        A version that cannot serve is logged and left to `reconcile`'s rules."""
+        A version that cannot serve is logged and left to `reconcile`'s rules. Restoring
+        what served before is not a newly served version: `on_installed` (the no-op probe,
+        which reads the weights) is not told, so 1,000 agents start without 1,000 reads."""
         lazy = self._lazy
         assert lazy is not None
 
@@ -231,8 +240,6 @@ class Deployer(BackgroundTask):
             done = await asyncio.to_thread(register)
         for agent, version in done:
             self._serving[agent] = version
-            if self._on_installed is not None:
-                self._on_installed(agent, version)
         log.info("deployer: %d agents registered by directory in %.2f s (weights read on "
                  "first use)", len(done), time.perf_counter() - t0)  # fmt: skip
 
@@ -551,7 +558,7 @@ class Deployer(BackgroundTask):
             await self.engine.load_adapter(ref)
         self._serving[ref.agent] = ref.version
         self._failed.pop(ref.agent, None)
-        if self._on_installed is not None:
+        if self._on_installed is not None and not self._restoring:
             self._on_installed(ref.agent, ref.version)
 
     async def _then_move(self, agent: str, move: Callable[[], T]) -> T:
