@@ -38,9 +38,10 @@ import json
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from clora_feedback.errors import ConflictError, InvalidRequestError
+from clora_feedback.schemas.admin import ReleaseState
 from clora_feedback.store.registry import rows
 from clora_feedback.store.registry.index import VERSION_COLUMNS, json_object
 from clora_feedback.store.registry.schema import notify_pointer_moved
@@ -50,17 +51,6 @@ if TYPE_CHECKING:
 
 __all__ = ["REJECTED", "ReleaseBook", "ReleaseRecord", "ReleaseState", "end_canaries"]
 
-ReleaseState = Literal[
-    "candidate",
-    "skipped",
-    "passed",
-    "failed",
-    "inconclusive",
-    "invalid",
-    "canary",
-    "promoted",
-    "aborted",
-]
 STATES: tuple[str, ...] = get_args(ReleaseState)
 REJECTED: frozenset[str] = frozenset({"failed", "aborted"})
 """States that reject a version: the trainer does not continue from it."""
