@@ -3,7 +3,7 @@
 One fresh service with every default (the release path on), one agent on a
 learning-bench task family (`routing` by default), simulated users sending
 requests and feedback through the real gateway, as `clora bench learning` does.
-Three phases:
+Four phases:
 
 1. **learn** (`--minutes`): the trainer's candidates go through the gate and the
    canary; recorded: the time from the first feedback to the first promoted
@@ -20,8 +20,20 @@ Three phases:
    served are counted against the requests of its agent meanwhile (bounded by
    `canary.share` until the sequential test fires).
 
-The agent is pinned for phases 2 and 3 (its trainer publishes nothing newer that
-would take the bad candidate's turn), once any running canary has ended.
+4. **gate cost**: a second agent (`OTHER`, declared beside the learning one and
+   serving a near-zero adapter) gets a steady closed-loop stream (`--other-clients`
+   clients, each one greedy chat completion of `--other-max-tokens` at a time), measured
+   in alternating windows of `--gate-window` seconds, `--gate-pairs` times: without a
+   gate, then while the operator route gates a collapsed candidate of the learning
+   agent back to back (a full evaluation each: serving's cached answers are dropped
+   first, as for the first candidate after a promotion). Recorded: the other agent's
+   requests and tokens per second in each window, the ratio of tokens/s with a gate to
+   without (alternation cancels a shared box's drift), and each evaluation's wall and
+   CPU seconds (process CPU while it ran, an upper bound: serving runs meanwhile).
+
+The agent is pinned for phases 2 to 4 (its trainer publishes nothing newer that
+would take the bad candidate's turn), once any running canary has ended; its
+simulated users keep sending throughout.
 
 It prints a table and writes `release.json` under `--out`. A program, not a test:
 its figures go to `docs/benchmarks.md`.
@@ -61,6 +73,9 @@ from clora_feedback.schemas.feedback import Resolution
 
 log = logging.getLogger(__name__)
 
+OTHER = "bystander"
+"""The agent whose serving throughput phase 4 measures while the learning agent is gated."""
+
 
 @dataclass
 class Live:
@@ -88,7 +103,8 @@ class ReleaseRun:
     worst_drop_below_best: float = 0.0
     collapsed: dict[str, Any] = field(default_factory=dict)
     worse_live: dict[str, Any] = field(default_factory=dict)
-    gate_cpu_s: float | None = None
+    gate_cpu_s: float | None = None  # phases 1-3
+    gate_cost: dict[str, Any] = field(default_factory=dict)
 
 
 async def _user(client: Any, sender: Any, workload: FamilyWorkload, pool: list[Any],
@@ -231,6 +247,135 @@ async def _release(admin: httpx.AsyncClient, server: LocalServer, live: Live, *,
     return result
 
 
+@dataclass
+class Stream:
+    """The other agent's completed requests: (finish time, generated tokens) each."""
+
+    done: list[tuple[float, int]] = field(default_factory=list)
+    errors: int = 0
+
+    def window(self, t0: float, t1: float) -> tuple[int, int]:
+        """Requests and tokens that finished in [t0, t1)."""
+        tokens = [n for t, n in self.done if t0 <= t < t1]
+        return len(tokens), sum(tokens)
+
+
+async def _other_client(client: Any, stream: Stream, index: int, max_tokens: int) -> None:
+    """One closed-loop client of `OTHER`: a greedy chat completion, again (until cancelled)."""
+    messages = [{"role": "user", "content": f"Tell a long story about lighthouse {index}."}]
+    while True:
+        try:
+            reply = await client.chat.completions.create(
+                model=OTHER, messages=messages, max_tokens=max_tokens, temperature=0.0
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            stream.errors += 1
+            await asyncio.sleep(1.0)
+            continue
+        stream.done.append((time.monotonic(), reply.usage.completion_tokens if reply.usage else 0))
+
+
+def _publish_other(server: LocalServer) -> int:
+    """Serve `OTHER` from an adapter of near-zero weights (the adapter path, the base
+    model's answers); returns its version."""
+    limits = server.service.engine.lora_limits
+    weights = random_lora_weights(limits, rank=8, seed=11, std=1e-6)
+    info = server.service.registry.publish(
+        OTHER, weights, optimizer_state=None, base_model="bench", parent=None, step=0,
+        metrics={}, feedback_window={"source": "clora bench release"}, activate=True,
+    )  # fmt: skip
+    return int(info.version)
+
+
+async def _gate_once(admin: httpx.AsyncClient, server: LocalServer, version: int) -> dict[str, Any]:
+    """One full evaluation of `version` by the operator route: its verdict, wall and CPU s."""
+    release = server.service.release
+    if release is not None and release.gate is not None:
+        release.gate.forget(AGENT)  # serving answers too, as after a promotion
+    response = await admin.post(f"/v1/adapters/{AGENT}/gate", json={"version": version},
+                                timeout=300)  # fmt: skip
+    body = response.json()
+    evidence = body.get("evidence") or {}
+    if "seconds" not in evidence:  # decided without the engine (e.g. too few cases)
+        await asyncio.sleep(0.5)
+    return {"state": str(body.get("state", "error")), "seconds": evidence.get("seconds"),
+            "cpu_seconds": evidence.get("cpu_seconds")}  # fmt: skip
+
+
+async def _gate_cost(admin: httpx.AsyncClient, server: LocalServer, client: Any,
+                     args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """Phase 4: `OTHER`'s throughput in windows without and with a gate running."""
+    await _quiet(admin, args.canary_timeout)
+    other = await asyncio.to_thread(_publish_other, server)
+    deadline = time.monotonic() + 60
+    while server.service.engine.stats().adapters.get(OTHER) != other:
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    version = await asyncio.to_thread(_publish_candidate, server, True)
+    stream = Stream()
+    clients = [
+        asyncio.create_task(_other_client(client, stream, i, args.other_max_tokens))
+        for i in range(args.other_clients)
+    ]
+    windows: list[dict[str, Any]] = []
+    evaluations: list[dict[str, Any]] = []
+    try:
+        await asyncio.sleep(args.gate_window)  # warm-up: every client in flight
+        for _ in range(args.gate_pairs):
+            for gating in (False, True):
+                t0 = time.monotonic()
+                while gating and time.monotonic() - t0 < args.gate_window:
+                    evaluations.append(await _gate_once(admin, server, version))
+                if not gating:
+                    await asyncio.sleep(args.gate_window)
+                t1 = time.monotonic()
+                requests, tokens = stream.window(t0, t1)
+                windows.append({"gate": gating, "seconds": round(t1 - t0, 2),
+                                "requests": requests, "tokens": tokens})  # fmt: skip
+    finally:
+        for task in clients:
+            task.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+    return _gate_cost_summary(windows, evaluations, stream.errors, version)
+
+
+def _gate_cost_summary(windows: list[dict[str, Any]], evaluations: list[dict[str, Any]],
+                       errors: int, version: int) -> dict[str, Any]:  # fmt: skip
+    """Pooled rates of the windows with and without a gate, and per-evaluation costs."""
+
+    def rate(gating: bool, key: str) -> float:
+        chosen = [w for w in windows if w["gate"] == gating]
+        seconds = sum(w["seconds"] for w in chosen)
+        return sum(w[key] for w in chosen) / seconds if seconds else 0.0
+
+    without, with_gate = rate(False, "tokens"), rate(True, "tokens")
+    evaluated = [e for e in evaluations if e["seconds"] is not None]
+    states: dict[str, int] = {}
+    for e in evaluations:
+        states[e["state"]] = states.get(e["state"], 0) + 1
+
+    def mean(key: str) -> float | None:
+        return round(sum(e[key] for e in evaluated) / len(evaluated), 2) if evaluated else None
+
+    result = {
+        "candidate": version, "pairs": len(windows) // 2, "windows": windows,
+        "tokens_per_s_without": round(without, 2), "tokens_per_s_with": round(with_gate, 2),
+        "requests_per_s_without": round(rate(False, "requests"), 3),
+        "requests_per_s_with": round(rate(True, "requests"), 3),
+        "ratio": round(with_gate / without, 3) if without else None,
+        "evaluations": len(evaluations), "states": states,
+        "gate_wall_s": mean("seconds"), "gate_cpu_s": mean("cpu_seconds"), "errors": errors,
+    }  # fmt: skip
+    print(f"gate cost: {OTHER} {without:.1f} tokens/s without a gate, {with_gate:.1f} with "
+          f"(ratio {result['ratio']}, {result['pairs']} pairs); {len(evaluations)} evaluations "
+          f"{states}, {result['gate_wall_s']} s and {result['gate_cpu_s']} CPU s each",
+          flush=True)  # fmt: skip
+    return result
+
+
 async def _run(server: LocalServer, args: argparse.Namespace, run: ReleaseRun) -> None:
     from openai import AsyncOpenAI
 
@@ -254,11 +399,12 @@ async def _run(server: LocalServer, args: argparse.Namespace, run: ReleaseRun) -
                                        timeout_s=args.canary_timeout)  # fmt: skip
         run.worse_live = await _release(admin, server, live, collapsed=False,
                                         timeout_s=args.canary_timeout)  # fmt: skip
-        await admin.post(f"/v1/adapters/{AGENT}/unpin")
         metrics = (await admin.get("/metrics")).text
         for line in metrics.splitlines():
             if line.startswith("clora_release_gate_cpu_seconds_total"):
                 run.gate_cpu_s = float(line.split()[-1])
+        run.gate_cost = await _gate_cost(admin, server, client, args)
+        await admin.post(f"/v1/adapters/{AGENT}/unpin")
     finally:
         for task in users:
             task.cancel()
@@ -280,6 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--canary-timeout", type=float, default=600.0,
         help="How long each bad candidate may take to be decided (seconds).",
     )  # fmt: skip
+    p.add_argument("--gate-pairs", type=int, default=3,
+                   help="Phase 4: window pairs (without a gate, with one).")  # fmt: skip
+    p.add_argument("--gate-window", type=float, default=30.0,
+                   help="Phase 4: seconds per window (a gated one ends with its last gate).")  # fmt: skip
+    p.add_argument("--other-clients", type=int, default=4,
+                   help="Phase 4: closed-loop clients of the other agent.")  # fmt: skip
+    p.add_argument("--other-max-tokens", type=int, default=64,
+                   help="Phase 4: max_tokens of each of its requests (greedy).")  # fmt: skip
     p.add_argument("--model", default=None, help="Default: the embedded default model.")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--work", type=Path, default=None, help="Data directory (default: a temp dir).")
@@ -291,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str]) -> int:
     """`clora bench release [options]`; returns the exit status."""
     args = build_parser().parse_args(list(argv))
-    from clora_feedback.config import DEFAULT_MODEL, Settings
+    from clora_feedback.config import DEFAULT_MODEL, AgentConfig, Settings
     from clora_feedback.model.resolve import resolve_model_dir
     from clora_feedback.service import build_service
 
@@ -301,6 +455,7 @@ def run(argv: Sequence[str]) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="clora-bench-release-"))
     cfg = LearningConfig(tasks=(args.task,), users=args.users, num_threads=args.threads)
     settings = learning_settings(model_dir, work, cfg)
+    settings.agents.append(AgentConfig(name=OTHER))  # phase 4's other agent
     run_ = ReleaseRun(task=args.task, minutes=args.minutes)
     with LocalServer(build_service(settings)) as server:
         asyncio.run(_run(server, args, run_))
