@@ -10,7 +10,7 @@ resolutions, and outputs confirmed as right), drawn uniformly from the last
 
 Memory only: after a restart the buffer fills again from new feedback.
 
-Not here: which samples are labelled (`trainer`), the loss (`loss`).
+Not here: which samples are labelled (`batch`), the loss (`loss`).
 """
 
 from __future__ import annotations

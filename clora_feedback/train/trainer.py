@@ -8,7 +8,7 @@ Each round (`run_round`), per agent in fair rotation:
    a restart resumes without losing or repeating samples);
 2. admit a mini-batch early (see `admission`) or, after `trigger_interval_s`
    with anything waiting, whatever is there;
-3. build the agent's rows (`_agent_batch`): a policy-gradient row per sample
+3. build the agent's rows (`batch`): a policy-gradient row per sample
    with raw behaviour logprobs; a supervised row per right answer feedback gave
    and per output confirmed or rewarded above the agent's running mean; a
    preference pair
@@ -26,17 +26,11 @@ Each round (`run_round`), per agent in fair rotation:
    memory, under a version number the registry reserved (served from the next
    decode step), then the registry writes the version and moves the pointer.
 
-What the trainer continues from, on the release path: **its newest candidate
-that was not rejected**. Each step's candidate is the parent of the next, so
-learning does not wait for the gate and the canary; the line starts at the
-serving version. When the release path rejects a version of the line (the gate
-failed it, its canary was aborted) or serving moves off the line (an operator's
-rollback), the run restarts from the newest candidate that descends from serving
-through no rejected or rolled-back version, else from serving itself, and the
-samples after that version's cursor are trained again (the rejected line's
-steps are not lost data, only lost weights). Staleness is counted against the
-serving version (samples come from what serves, not from candidates). Tested in
-`tests/test_trainer_release.py`.
+What the trainer continues from, on the release path: its newest candidate that
+was not rejected, each step's candidate the parent of the next; after a rejection
+or a rollback a run restarts from the newest candidate still good (`lineage`, the
+release line). Staleness is counted against the serving version (samples come
+from what serves, not from candidates).
 
 Training is background work: rounds run on the trainer's own thread at a
 lower scheduling priority (`TrainerConfig.nice`, Linux), so decode steps of
@@ -64,22 +58,21 @@ the registry (the other trainer may have published meanwhile). Before a publish
 the trainer checks that the lease is still its own; the registry's parent
 compare-and-set stays the last guard.
 
-Not here: the math of a step (`step`), the HTTP routes, judging versions (`release`).
+Not here: the math of a step (`step`), which samples give which rows (`batch`), where a
+run starts and its release line (`lineage`), the HTTP routes, judging versions (`release`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
@@ -92,40 +85,21 @@ from clora_feedback.priority import lower_thread_priority
 from clora_feedback.store.lease import TrainerLeases
 from clora_feedback.store.versions import AdapterRef, AdapterStore, VersionInfo
 from clora_feedback.train.admission import Admission
+from clora_feedback.train.batch import Admitted, agent_batch, teaches
+from clora_feedback.train.lineage import AgentRun, ReleaseStates, fresh_seed, load_run
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import PolicyModel
-from clora_feedback.train.replay import ReplayBuffer
-from clora_feedback.train.samples import SampleSource, TrainingSample
+from clora_feedback.train.samples import SampleSource
 from clora_feedback.train.state import (
     AdamConfig,
     AgentTrainState,
-    LoRALayout,
     Residency,
     TrainingSlot,
     init_lora,
 )
-from clora_feedback.train.step import (
-    AgentBatch,
-    PGSample,
-    PreferencePair,
-    SFTSample,
-    StepResult,
-    train_step,
-)
+from clora_feedback.train.step import AgentBatch, StepResult, train_step
 
 log = logging.getLogger(__name__)
-
-
-class ReleaseStates(Protocol):
-    """The release path's record of versions (`store.registry.releases.ReleaseBook`)."""
-
-    def rejected(self, agent: str, versions: set[int]) -> set[int]:
-        """Which of `versions` the release path rejected (failed the gate, aborted canary)."""
-        ...
-
-    def record(self, agent: str, version: int, state: Literal["candidate"]) -> bool:
-        """Mark a newly published version a candidate for the release path."""
-        ...
 
 
 class PublishHandoff(Protocol):
@@ -134,18 +108,6 @@ class PublishHandoff(Protocol):
     def handoff(self, ref: AdapterRef) -> AbstractContextManager[None]:
         """Serve `ref` from memory while the block moves the pointer; undone if it raises."""
         ...
-
-
-@dataclass
-class _AgentRun:
-    state: AgentTrainState
-    pulled_seq: int  # highest reward seq offered to admission
-    trained_seq: int  # highest reward seq covered by a published version
-    last_step_at: float = field(default_factory=time.monotonic)
-    replay: ReplayBuffer = field(default_factory=lambda: ReplayBuffer(0))
-    chain: set[int] = field(default_factory=set)  # release path: where it started + its candidates
-    serving: int = 0  # release path: the active version at the last check
-    moved_at: float | None = None  # release path: when the pointer last moved, at the last check
 
 
 class ContinualTrainer(BackgroundTask):
@@ -185,7 +147,7 @@ class ContinualTrainer(BackgroundTask):
         )
         self._agents = agents or feedback.agents_with_rewards
         self._base_model = base_model or policy.model_name
-        self._runs: dict[str, _AgentRun] = {}
+        self._runs: dict[str, AgentRun] = {}
         self._slots: list[TrainingSlot] = []
         self._lock = threading.RLock()  # one round at a time
         self._turn = 0
@@ -260,10 +222,12 @@ class ContinualTrainer(BackgroundTask):
 
     # -- state ----------------------------------------------------------------------------
 
-    def _run_for(self, agent: str) -> _AgentRun:
+    def _run_for(self, agent: str) -> AgentRun:
         run = self._runs.get(agent)
         if run is None:
-            run = self._load(agent)
+            run = load_run(
+                agent, self.registry, self.policy.lora_limits, self.config, self.releases
+            )
             self._runs[agent] = run
             self.residency.add(run.state)
         return run
@@ -273,95 +237,12 @@ class ContinualTrainer(BackgroundTask):
         (exactly what it held: a state is dropped only between steps, when its version
         holds it), or a fresh adapter's for an agent that never published."""
         if state.version == 0:
-            seed = self.config.seed + hash(state.agent) % 10_000  # as `_load` made it
+            seed = fresh_seed(self.config.seed, state.agent)  # as `load_run` made it
             state.restore(init_lora(state.layout, seed=seed), None)
             return
         limits = self.policy.lora_limits
         weights, optimizer = self.registry.load(state.agent, state.version, limits=limits)
         state.restore(state.layout.from_weights(weights), optimizer)
-
-    def _load(self, agent: str) -> _AgentRun:
-        """Training state of `agent`: its active registry version, else a fresh adapter.
-
-        Every adapter the engine serves is a registry version (start-up imports,
-        runtime loads and publishes all go through the registry), so the
-        registry is the only place to read weights from.
-        """
-        limits = self.policy.lora_limits
-        targets = tuple(limits.target_modules)
-        optimizer_state = None
-        version = 0
-        try:
-            info = self.registry.active(agent)
-        except NotFoundError:
-            info = None
-        serving = 0 if info is None else info.version
-        start, trained = self._resume_point(agent, serving)
-        weights: LoRAWeights | None = None
-        if start:
-            weights, optimizer_state = self.registry.load(agent, start, limits=limits)
-            version = start
-        if weights is not None:
-            layout = LoRALayout.build(limits, weights.rank, weights.alpha, targets)
-            params = layout.from_weights(weights)
-        else:
-            layout = LoRALayout.build(limits, self.config.rank, self.config.alpha, targets)
-            params = init_lora(layout, seed=self.config.seed + hash(agent) % 10_000)
-        state = AgentTrainState.create(agent, layout, params, version=version)
-        state.load_optimizer_state(optimizer_state)
-        replay = ReplayBuffer(self.config.replay_buffer, seed=self.config.seed)
-        run = _AgentRun(state, pulled_seq=trained, trained_seq=trained, replay=replay)
-        run.chain, run.serving = {serving, version}, serving
-        try:
-            run.moved_at = self.registry.agent(agent).activated_at
-        except NotFoundError:
-            run.moved_at = None
-        return run
-
-    def _resume_point(self, agent: str, serving: int) -> tuple[int, int]:
-        """(version to train from, reward seq cursor) for a fresh run of `agent`.
-
-        Without the release path: the active version, and the highest seq any version
-        trained on (a rollback does not train the same samples again). On the release
-        path: the newest candidate that descends from the serving version through no
-        rejected or rolled-back version (else serving itself), and the highest seq of
-        that line, so samples a rejected chain trained on are trained again from there.
-        """
-        try:
-            versions = {v.version: v for v in self.registry.versions(agent)}
-        except NotFoundError:
-            return serving, 0
-
-        def seq(version: int) -> int:
-            info = versions.get(version)
-            return 0 if info is None else int((info.feedback_window or {}).get("to_seq", 0))
-
-        if self.releases is None:
-            return serving, max((seq(v) for v in versions), default=0)
-        rejected = self.releases.rejected(agent, set(versions))
-
-        def line(version: int, stop: int | None) -> list[int] | None:
-            """`version` and its ancestors down to `stop` (exclusive; None: the root), or
-            None when that line passes a version that must not be trained from."""
-            out: list[int] = []
-            cursor: int | None = version
-            while cursor is not None and cursor != stop:
-                info = versions.get(cursor)
-                if info is None or cursor in rejected or info.status == "rolled_back":
-                    return None
-                out.append(cursor)
-                cursor = info.parent
-            return out if cursor == stop else None
-
-        below, cursor = [], serving or None  # serving's own line: what it has seen
-        while cursor is not None and cursor in versions:
-            below.append(seq(cursor))
-            cursor = versions[cursor].parent
-        for newest in sorted((v for v in versions if v > serving), reverse=True):
-            found = line(newest, serving or None)
-            if found is not None and not versions[newest].payload_pruned:
-                return newest, max([seq(v) for v in found] + below, default=0)
-        return serving, max(below, default=0)
 
     def _slots_for(self, states: list[AgentTrainState]) -> list[TrainingSlot]:
         need = max(s.layout.numel for s in states)
@@ -388,7 +269,7 @@ class ContinualTrainer(BackgroundTask):
                 return []
             self._turn = (self._turn + 1) % len(agents)
             agents = agents[self._turn :] + agents[: self._turn]  # fair rotation
-            ready: list[tuple[str, list[tuple[TrainingSample, int]]]] = []
+            ready: list[tuple[str, Admitted]] = []
             for agent in agents:
                 batch = self._admit(agent)
                 if batch:
@@ -459,7 +340,7 @@ class ContinualTrainer(BackgroundTask):
             run.moved_at = info.activated_at
         return not info.pinned and not info.deactivated
 
-    def _admit(self, agent: str) -> list[tuple[TrainingSample, int]]:
+    def _admit(self, agent: str) -> Admitted:
         run = self._run_for(agent)
         new = self.feedback.training_samples(agent, after_seq=run.pulled_seq)
         if new:
@@ -471,112 +352,11 @@ class ContinualTrainer(BackgroundTask):
         current = run.state.version if self.releases is None else run.serving
         return self.admission.admit(agent, current, force=overdue)
 
-    def _agent_batch(
-        self, run: _AgentRun, admitted: list[tuple[TrainingSample, int]]
-    ) -> AgentBatch:
-        """The step's rows for one agent (see `ContinualTrainer` for what each sample gives).
-
-        Policy gradient: every sample with raw behaviour logprobs (a trajectory that
-        recorded another mode is never scored against the wrong quantity: it keeps
-        its supervised rows and pairs, and `skipped_pg` counts it). Supervised: each
-        right answer given for a sample, and each output worth imitating (`_imitated`)
-        as it was generated; then up to `replay` labelled examples of earlier steps.
-        Pairs: each wrong output with each right answer given for it.
-        """
-        batch = AgentBatch(run.state)
-        fresh: list[SFTSample] = []
-        reference = self._reference_reward(run, admitted)
-        for sample, staleness in admitted:
-            output = sample.completion_token_ids
-            if output and sample.logprobs_mode == "raw":
-                batch.pg.append(
-                    PGSample(
-                        group=sample.completion_id,
-                        prompt_ids=sample.prompt_token_ids,
-                        completion_ids=output,
-                        behaviour_logprobs=sample.logprobs,
-                        reward=sample.reward,
-                        staleness=staleness,
-                    )
-                )
-            elif output:
-                self.skipped_pg += 1
-            for target in sample.targets:
-                ids = self._target_ids(sample.prompt_token_ids, target)
-                if not ids:
-                    continue
-                fresh.append(SFTSample(sample.prompt_token_ids, ids))
-                if sample.wrong and output:
-                    batch.pairs.append(PreferencePair(sample.prompt_token_ids, ids, output))
-            if output and self._imitated(sample, reference):
-                fresh.append(SFTSample(sample.prompt_token_ids, output))
-        batch.sft = fresh + run.replay.sample(self.config.replay)
-        run.replay.add(fresh)
-        return batch
-
-    def _settled_output(self, sample: TrainingSample) -> bool:
-        """Whether the engine produced `sample` with per-token probability (geometric
-        mean, raw logprobs) at least `settled_prob`: nothing left to learn from it."""
-        lps = sample.logprobs
-        if not lps or sample.logprobs_mode != "raw":
-            return False
-        return math.exp(sum(lps) / len(lps)) >= self.config.settled_prob
-
-    @staticmethod
-    def _reference_reward(run: _AgentRun, admitted: list[tuple[TrainingSample, int]]) -> float:
-        """What the agent usually earns: its running mean, else this batch's mean."""
-        if run.state.baseline is not None:
-            return run.state.baseline
-        return sum(s.reward for s, _ in admitted) / len(admitted)
-
-    def _imitated(self, sample: TrainingSample, reference: float) -> bool:
-        """Whether the output itself is a labelled example of a batch that teaches:
-        confirmed right, or rewarded above what the agent usually earns (by more than
-        `settled_margin`) with no event calling it wrong.
-
-        Why the rewarded ones, and the ones the agent is already sure of: when only wrong
-        outputs carried supervised targets, a batch of an agent that answered one class
-        everywhere supervised only the other classes, and the next version answered
-        another class everywhere (a two-class task flipped between "confirm all" and
-        "escalate all"). The right answers anchor their class against that push. Whether
-        a batch teaches at all is `_teaches`'s call."""
-        if sample.wrong:
-            return False
-        if sample.confirmed:
-            return True
-        above = sample.reward > reference + self.config.settled_margin
-        return self.config.imitate_above_mean and above
-
-    def _teaches(self, run: _AgentRun, admitted: list[tuple[TrainingSample, int]]) -> bool:
-        """Whether a batch can teach the agent anything: some sample has a right answer
-        other than its output, or is a confirmed output the agent was not yet sure of, or
-        its reward is away from what the agent usually earns (policy-gradient signal)."""
-        baseline = run.state.baseline
-        for sample, _ in admitted:
-            if sample.targets:
-                return True
-            if sample.confirmed:  # a settled confirmed output teaches nothing, whatever its reward
-                if not self._settled_output(sample):
-                    return True
-            elif baseline is None or abs(sample.reward - baseline) > self.config.settled_margin:
-                return True
-        return False
-
-    def _target_ids(self, prompt_ids: list[int], target: str) -> list[int]:
-        """A right answer's token ids, cut to the context, EOS last (empty if no room)."""
-        tokenizer = self.policy.tokenizer
-        eos = tokenizer.eos_token_id
-        budget = self.policy.max_model_len - len(prompt_ids) - 1
-        if budget <= 0:
-            return []
-        ids = list(tokenizer.encode(target, add_special_tokens=False))[:budget]
-        return ids + ([eos] if eos is not None else [])
-
-    def _step(self, group: list[tuple[str, list[tuple[TrainingSample, int]]]]) -> list[StepResult]:
+    def _step(self, group: list[tuple[str, Admitted]]) -> list[StepResult]:
         runs, batches, kept = [], [], []
         for agent, admitted in group:
             run = self._run_for(agent)
-            if not self._teaches(run, admitted):
+            if not teaches(admitted, run.state.baseline, self.config):
                 # Every sample was already settled: a step would only sharpen what the
                 # agent answers anyway (and Adam turns even a tiny gradient into a full-size
                 # move), which is how held-out answers drift. Consumed, nothing published.
@@ -585,7 +365,11 @@ class ContinualTrainer(BackgroundTask):
                 log.info("agent %s: %d settled samples, nothing to learn", agent, len(admitted))
                 continue
             runs.append(run)
-            batches.append(self._agent_batch(run, admitted))
+            batch, skipped_pg = agent_batch(
+                run.state, run.replay, admitted, self.policy, self.config
+            )
+            self.skipped_pg += skipped_pg
+            batches.append(batch)
             kept.append((agent, admitted))
         if not batches:
             return []
@@ -611,12 +395,10 @@ class ContinualTrainer(BackgroundTask):
 
     def _make_resident(
         self,
-        runs: list[_AgentRun],
+        runs: list[AgentRun],
         batches: list[AgentBatch],
-        group: list[tuple[str, list[tuple[TrainingSample, int]]]],
-    ) -> tuple[
-        list[_AgentRun], list[AgentBatch], list[tuple[str, list[tuple[TrainingSample, int]]]]
-    ]:
+        group: list[tuple[str, Admitted]],
+    ) -> tuple[list[AgentRun], list[AgentBatch], list[tuple[str, Admitted]]]:
         """Restore dropped states before the step; an agent whose version cannot be read
         (pruned, corrupted) starts over from the registry next round."""
         keep = []
@@ -632,7 +414,7 @@ class ContinualTrainer(BackgroundTask):
         return [runs[i] for i in keep], [batches[i] for i in keep], [group[i] for i in keep]
 
     def _publish(
-        self, agent: str, run: _AgentRun, result: StepResult, window: dict[str, object]
+        self, agent: str, run: AgentRun, result: StepResult, window: dict[str, object]
     ) -> bool:
         """Hand the new weights to the deployer under a reserved version, then publish it.
 
@@ -726,7 +508,7 @@ class ContinualTrainer(BackgroundTask):
         )
 
     def _publish_candidate(
-        self, agent: str, run: _AgentRun, result: StepResult, window: dict[str, object]
+        self, agent: str, run: AgentRun, result: StepResult, window: dict[str, object]
     ) -> bool:
         """The release path: write the step as an immutable candidate (the pointer does not
         move; nothing serves it) and mark it for the gate. A crash between the two leaves a
