@@ -27,6 +27,7 @@ themselves (`store.registry.releases`).
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -65,8 +66,10 @@ class AgentRun:
 
 
 def fresh_seed(seed: int, agent: str) -> int:
-    """The init seed of `agent`'s fresh adapter (one that never published)."""
-    return seed + hash(agent) % 10_000
+    """The init seed of `agent`'s fresh adapter (one that never published): `trainer.seed`
+    plus a stable digest of the name (not `hash`, which Python salts per process), so the
+    same settings give the same first weights in every process and every run."""
+    return seed + zlib.crc32(agent.encode()) % 10_000
 
 
 def load_run(
