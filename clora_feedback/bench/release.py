@@ -32,7 +32,9 @@ Four phases:
    CPU seconds (process CPU while it ran, an upper bound: serving runs meanwhile).
 
 The agent is pinned for phases 2 to 4 (its trainer publishes nothing newer that
-would take the bad candidate's turn), once any running canary has ended; its
+would take the bad candidate's turn), once any running canary has ended, except
+while phase 3's candidate waits for and runs its canary (a pin stops the release
+path: pinned, a version that passed the operator's gate waits as `passed`); its
 simulated users keep sending throughout.
 
 It prints a table and writes `release.json` under `--out`. A program, not a test:
@@ -219,7 +221,11 @@ async def _quiet(admin: httpx.AsyncClient, timeout_s: float) -> None:
 
 async def _release(admin: httpx.AsyncClient, server: LocalServer, live: Live, *, collapsed: bool,
                    timeout_s: float) -> dict[str, Any]:  # fmt: skip
-    """Phases 2 and 3: publish a bad candidate, release it by the operator route, wait."""
+    """Phases 2 and 3: publish a bad candidate, release it by the operator route, wait.
+
+    A pin stops the release path, so a candidate that passes the operator's gate waits
+    as `passed`; the agent is unpinned then (what an operator does to canary it) and
+    pinned again once it is decided."""
     await _quiet(admin, timeout_s)
     version = await asyncio.to_thread(_publish_candidate, server, collapsed)
     if not collapsed:
@@ -230,10 +236,13 @@ async def _release(admin: httpx.AsyncClient, server: LocalServer, live: Live, *,
                                 timeout=300)  # fmt: skip
     gate = response.json()
     state = str(gate.get("state", "error"))
+    if state == "passed":  # pinned, it waits as `passed`: unpinned, the loop canaries it
+        await admin.post(f"/v1/adapters/{AGENT}/unpin")
     while state in ("passed", "canary") and time.monotonic() - t0 < timeout_s:
         await asyncio.sleep(1.0)
         record = next((v for v in await _versions(admin) if v["version"] == version), {})
         state = _state(record)
+    await admin.post(f"/v1/adapters/{AGENT}/pin")
     served = live.by_version.get(version, 0) - served_before
     total = live.total() - before
     result = {
