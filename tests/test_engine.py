@@ -154,3 +154,32 @@ async def test_more_agents_than_slots_and_limits(model_dir: Path) -> None:
             engine.add_request(_req("nf", "nobody", prompt))
     finally:
         await engine.stop()
+
+
+async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> None:
+    """Evaluation traffic (the gate's, the probe's) takes at most a quarter of the rows
+    (one here, of 4) and queues no client behind it: clients queued after three
+    background requests start in the first step and finish before the second background
+    request has produced a token; the background requests still all finish, one at a time."""
+    engine = _engine(model_dir)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("The quick brown fox")
+        first: dict[str, float] = {}
+        done: dict[str, float] = {}
+
+        async def run(request: GenerationRequest) -> None:
+            async for _ in engine.add_request(request):
+                first.setdefault(request.request_id, asyncio.get_running_loop().time())
+            done[request.request_id] = asyncio.get_running_loop().time()
+
+        sampling = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        requests = [
+            GenerationRequest(f"bg{i}", None, prompt, sampling, background=True) for i in range(3)
+        ] + [GenerationRequest(f"client{i}", None, prompt, sampling) for i in range(3)]
+        await asyncio.gather(*(run(r) for r in requests))
+        clients_done = max(done[f"client{i}"] for i in range(3))
+        assert clients_done < first["bg1"] < first["bg2"], (first, done)
+        assert done["bg0"] <= first["bg1"] and done["bg1"] <= first["bg2"]  # one row at a time
+    finally:
+        await engine.stop()

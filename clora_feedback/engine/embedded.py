@@ -498,11 +498,19 @@ class EmbeddedEngine:
         return True
 
     def _admit(self, adapters: HostAdapters) -> None:
+        """Move waiting sequences into free rows, in arrival order. Background requests
+        (the gate's, the probe's) yield: at most `max_num_seqs // 4` rows (at least one)
+        at a time, and none beyond the first while a client request waits, so evaluation
+        neither queues clients behind it nor starves (one row always advances)."""
         with self._lock:
             candidates = list(self._waiting)
+        background = sum(1 for s in self._running if s.request.background)
+        clients_waiting = sum(1 for s in candidates if not s.request.background)
         for seq in candidates:
             if not self._free_rows:
                 break
+            if seq.request.background and not self._background_fits(background, clients_waiting):
+                continue
             agent = seq.request.agent
             if agent is not None and agent not in adapters:
                 if agent in self._slots:
@@ -527,7 +535,17 @@ class EmbeddedEngine:
             seq.slot = slot
             seq.row = heapq.heappop(self._free_rows)
             self._running.append(seq)
+            if seq.request.background:
+                background += 1
+            else:
+                clients_waiting -= 1
         self._running.sort(key=lambda s: s.row)
+
+    def _background_fits(self, running: int, clients_waiting: int) -> bool:
+        """Whether one more background row may start, `running` of them running now."""
+        if running >= max(1, self.config.max_num_seqs // 4):
+            return False
+        return running == 0 or clients_waiting == 0
 
     def _remove_waiting(self, seq: _Sequence) -> None:
         with self._lock:

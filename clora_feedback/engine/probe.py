@@ -155,6 +155,7 @@ class NoopProbe:
             agent=agent,
             prompt_token_ids=list(self.engine.tokenizer.encode(prompt, add_special_tokens=False)),
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=0.0),
+            background=True,
         )
         tokens: list[int] = []
         versions: list[int] = []

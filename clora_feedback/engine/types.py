@@ -241,6 +241,10 @@ class GenerationRequest:
         sampling: sampling parameters.
         guided: optional declarative constraint (a forced tool call or a JSON schema),
             compiled by the engine; its `kind` must be in `EngineCapabilities.constraints`.
+        background: the service's own evaluation traffic (the release gate, the no-op
+            probe), not a client's: an engine may admit it only into rows that no client
+            request is waiting for (the embedded engine does, see `EmbeddedEngine`; vLLM
+            serves it like any request).
     """
 
     request_id: str
@@ -248,6 +252,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     guided: GuidedDecoding | None = None
+    background: bool = False
 
 
 @dataclass(frozen=True)
