@@ -61,6 +61,7 @@ from clora_feedback.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
+from clora_feedback.lifecycle import Closing
 from clora_feedback.schemas.feedback import (
     SIGNATURE_HEADER,
     Correction,
@@ -459,7 +460,7 @@ class _LoopThread:
         self._loop.close()
 
 
-class FeedbackClient(_Builders):
+class FeedbackClient(_Builders, Closing):
     """Sends feedback from synchronous code; `with` or `close()` when done.
 
     Arguments and methods as for `AsyncFeedbackClient`. Webhook sends use a
@@ -554,14 +555,3 @@ class FeedbackClient(_Builders):
             self._loop.run(self._kafka.stop())
             self._loop.close()
             self._kafka = self._loop = None
-
-    def __enter__(self) -> FeedbackClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -1,9 +1,12 @@
-"""Lifecycle helpers for long-running async parts: `async with` and one background task.
+"""Lifecycle helpers for long-running parts: `with`, `async with` and one background task.
 
 Every long-running part (consumer, producer, stores, trainer, release loop) has
 `start()`/`stop()`; `AsyncLifecycle` adds `async with` on top, and
 `BackgroundTask` is the common case of a part whose work is one asyncio task
-(`start` creates it, `stop` cancels it and waits for it to finish).
+(`start` creates it, `stop` cancels it and waits for it to finish). The blocking
+kinds get plain `with` the same way: `Lifecycle` for a part with `start`/`stop`
+(a server, a broker), `Closing` for a resource that is open once built (a store,
+a client) and only needs `close`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from typing import Self
+
+
+class Lifecycle:
+    """Mixin: `with part:` means `part.start()` ... `part.stop()`."""
+
+    def start(self) -> object:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class Closing:
+    """Mixin: `with resource:` gives the (already open) resource and closes it at the end."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class AsyncLifecycle:

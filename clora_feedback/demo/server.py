@@ -10,14 +10,15 @@ Not here: building the app (see `clora_feedback.service`), the workloads.
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import TYPE_CHECKING
+
+from clora_feedback.lifecycle import Lifecycle
 
 if TYPE_CHECKING:  # the service (and torch) load only where a server is built
     from clora_feedback.service import Service
 
 
-class LocalServer:
+class LocalServer(Lifecycle):
     """A built service served by uvicorn on 127.0.0.1; `with LocalServer(service) as server: ...`.
 
     Attributes:
@@ -51,15 +52,3 @@ class LocalServer:
     def stop(self) -> None:
         """Ask uvicorn to exit (runs the app's shutdown: trainer, consumer, engine) and wait."""
         self._server.stop()
-
-    def __enter__(self) -> LocalServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -48,6 +48,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 
 from clora_feedback.errors import CloraError, StoreError
+from clora_feedback.lifecycle import Lifecycle
 
 __all__ = ["LocalBroker", "ensure_topics", "free_port", "port_is_free", "probe_metadata"]
 
@@ -170,7 +171,7 @@ def _die_with_parent() -> None:
     _PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-class LocalBroker:
+class LocalBroker(Lifecycle):
     """A Tansu broker on a loopback port, owned by this process.
 
     It listens on 127.0.0.1 only (Tansu's own default is 0.0.0.0): it speaks
@@ -296,17 +297,6 @@ class LocalBroker:
 
     async def astop(self) -> None:
         await asyncio.to_thread(self.stop)
-
-    def __enter__(self) -> LocalBroker:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     async def __aenter__(self) -> LocalBroker:
         return await self.astart()

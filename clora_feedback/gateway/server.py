@@ -23,7 +23,6 @@ import asyncio
 import socket
 import threading
 import time
-from types import TracebackType
 from typing import Any
 
 import h11
@@ -32,6 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from clora_feedback.config import ServerConfig, Settings
 from clora_feedback.errors import EngineError
+from clora_feedback.lifecycle import Lifecycle
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -105,7 +105,7 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
     return uvicorn.Config(app, **options)
 
 
-class ThreadedServer:
+class ThreadedServer(Lifecycle):
     """`app` served by uvicorn on a free 127.0.0.1 port from a daemon thread.
 
     The options are `uvicorn_options(server)` (header timeout, keep-alive, header
@@ -174,15 +174,3 @@ class ThreadedServer:
         if self._sock is not None:
             self._sock.close()
         self._server = self._thread = self._sock = None
-
-    def __enter__(self) -> ThreadedServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

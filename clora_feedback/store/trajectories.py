@@ -46,11 +46,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from clora_feedback.errors import ConflictError, InvalidRequestError, NotFoundError, StoreError
-from clora_feedback.lifecycle import AsyncLifecycle
+from clora_feedback.lifecycle import AsyncLifecycle, Closing
 from clora_feedback.store import trajectory_tables
 from clora_feedback.store.db import (
     Tx,
@@ -228,7 +227,7 @@ def _insert(tx: Tx, id: str, rows: _Rows) -> None:
     )
 
 
-class TrajectoryStore:
+class TrajectoryStore(Closing):
     """Synchronous store of `TrajectoryRecord`s on SQLite or PostgreSQL; safe to share across threads.
 
     SQLite: one connection guarded by a lock (SQLite serialises writers anyway, and
@@ -529,17 +528,6 @@ class TrajectoryStore:
     def close(self) -> None:
         """Close the connection (idempotent); later calls raise `StoreError`."""
         self._db.close()
-
-    def __enter__(self) -> TrajectoryStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _to_sample(row: tuple[Any, ...]) -> SampleRecord:

@@ -50,12 +50,12 @@ import os
 import time
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from clora_feedback.errors import ConflictError, InvalidRequestError, StoreError
+from clora_feedback.lifecycle import Closing
 from clora_feedback.lora.peft_io import load_peft_adapter
 from clora_feedback.lora.weights import LoRALimits, LoRAWeights
 from clora_feedback.store import provenance
@@ -95,7 +95,7 @@ __all__ = ["AdapterRegistry", "AdapterStore", "AgentInfo", "VersionInfo", "Versi
 log = logging.getLogger(__name__)
 
 
-class AdapterRegistry:
+class AdapterRegistry(Closing):
     """Versions of every agent's adapter on disk, indexed by SQLite or PostgreSQL. Thread-safe.
 
     Methods block on disk (publish and load fsync or hash files): call them off
@@ -160,17 +160,6 @@ class AdapterRegistry:
     def database(self) -> Database:
         """The registry's database (the trainer leases live in it too: `store.lease`)."""
         return self._db
-
-    def __enter__(self) -> AdapterRegistry:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- plumbing -----------------------------------------------------------------
 
