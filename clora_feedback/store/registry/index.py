@@ -34,8 +34,9 @@ from clora_feedback.store.versions import VersionInfo, VersionStatus
 
 SCHEMA_VERSION = 3  # 1: these tables; 2: + the trainer leases (`lease.TABLES`);
 # 3: + versions.pruned_at, versions.probe (`MIGRATE_V3`)
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+# The same tables in both dialects: `{real}` is REAL in SQLite, DOUBLE PRECISION on
+# PostgreSQL; SQLite keeps `versions` WITHOUT ROWID.
+_TABLES = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS agents (
     agent TEXT PRIMARY KEY,
@@ -43,8 +44,8 @@ CREATE TABLE IF NOT EXISTS agents (
     last_version INTEGER NOT NULL DEFAULT 0,
     pinned INTEGER NOT NULL DEFAULT 0,
     activated_by TEXT CHECK (activated_by IN ('publish', 'rollback')),
-    activated_at REAL,
-    created_at REAL NOT NULL
+    activated_at {real},
+    created_at {real} NOT NULL
 );
 CREATE TABLE IF NOT EXISTS versions (
     agent TEXT NOT NULL REFERENCES agents (agent),
@@ -56,46 +57,21 @@ CREATE TABLE IF NOT EXISTS versions (
     metrics TEXT NOT NULL,
     feedback_window TEXT,
     has_optimizer_state INTEGER NOT NULL,
-    created_at REAL NOT NULL,
-    rolled_back_at REAL,
+    created_at {real} NOT NULL,
+    rolled_back_at {real},
     rolled_back_reason TEXT,
-    pruned_at REAL,
+    pruned_at {real},
     probe TEXT,
     PRIMARY KEY (agent, version)
-) WITHOUT ROWID;
+){end}
 """
-# The same tables on PostgreSQL, at the current version: the schema version is component
-# `registry` of the shared `clora_schema` table (the trajectory store also has a table
-# named `schema_version` in SQLite, and on PostgreSQL every store shares one database).
-PG_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS agents (
-    agent TEXT PRIMARY KEY,
-    active_version INTEGER,
-    last_version INTEGER NOT NULL DEFAULT 0,
-    pinned INTEGER NOT NULL DEFAULT 0,
-    activated_by TEXT CHECK (activated_by IN ('publish', 'rollback')),
-    activated_at DOUBLE PRECISION,
-    created_at DOUBLE PRECISION NOT NULL
-);
-CREATE TABLE IF NOT EXISTS versions (
-    agent TEXT NOT NULL REFERENCES agents (agent),
-    version INTEGER NOT NULL,
-    parent INTEGER,
-    step INTEGER NOT NULL,
-    base_model TEXT NOT NULL,
-    content_hash TEXT NOT NULL,
-    metrics TEXT NOT NULL,
-    feedback_window TEXT,
-    has_optimizer_state INTEGER NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    rolled_back_at DOUBLE PRECISION,
-    rolled_back_reason TEXT,
-    pruned_at DOUBLE PRECISION,
-    probe TEXT,
-    PRIMARY KEY (agent, version)
+SCHEMA = "\nCREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);" + _TABLES.format(
+    real="REAL", end=" WITHOUT ROWID;"
 )
-"""
+# On PostgreSQL the schema version is component `registry` of the shared `clora_schema`
+# table (the trajectory store also has a table named `schema_version` in SQLite, and on
+# PostgreSQL every store shares one database).
+PG_SCHEMA = _TABLES.format(real="DOUBLE PRECISION", end="")
 MIGRATE_V3 = {"pruned_at": "REAL", "probe": "TEXT"}
 """Columns version 3 adds to `versions` (PostgreSQL: `DOUBLE PRECISION` for REAL):
 when the version's payload was pruned (retention), and the no-op probe's result (JSON)."""
