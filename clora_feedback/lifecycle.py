@@ -3,7 +3,8 @@
 Every long-running part (consumer, producer, stores, trainer, release loop) has
 `start()`/`stop()`; `AsyncLifecycle` adds `async with` on top, and
 `BackgroundTask` is the common case of a part whose work is one asyncio task
-(`start` creates it, `stop` cancels it and waits for it to finish). The blocking
+(`start` creates it, `stop` cancels it and waits for it to finish;
+`cancel_and_wait` does the same for tasks a caller holds itself). The blocking
 kinds get plain `with` the same way: `Lifecycle` for a part with `start`/`stop`
 (a server, a broker), `Closing` for a resource that is open once built (a store,
 a client) and only needs `close`.
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Self
+from collections.abc import Sequence
+from typing import Any, Self
 
 
 class Lifecycle:
@@ -88,3 +90,10 @@ class BackgroundTask(AsyncLifecycle):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def cancel_and_wait(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` and wait until every one has finished (their results and errors dropped)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

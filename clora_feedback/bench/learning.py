@@ -85,6 +85,7 @@ from clora_feedback.demo.experiment import ExperimentConfig, service_settings
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import Episode, Sampling
 from clora_feedback.heap import release_freed_memory
+from clora_feedback.lifecycle import cancel_and_wait
 from clora_feedback.schemas.feedback import Correction, Event, Resolution, Reward
 
 if TYPE_CHECKING:
@@ -395,9 +396,7 @@ async def stream(server: LocalServer, family: Family, cfg: LearningConfig, run: 
                 run.evals.append(point)
                 _print_point(family.name, point)
                 last_eval, seen = time.monotonic(), len(live.outcomes)
-        for task in users:
-            task.cancel()
-        await asyncio.gather(*users, return_exceptions=True)
+        await cancel_and_wait(users)
         users.clear()
         run.wall_s = time.monotonic() - started
         if _served_version(server) != run.evals[-1].version or len(run.evals) == 1:
@@ -405,9 +404,7 @@ async def stream(server: LocalServer, family: Family, cfg: LearningConfig, run: 
             run.evals.append(point)
             _print_point(family.name, point)
     finally:
-        for task in users:
-            task.cancel()
-        await asyncio.gather(*users, return_exceptions=True)
+        await cancel_and_wait(users)
         await sender.aclose()
         await client.close()
     run.requests, run.events, run.rejected, run.errors = (

@@ -70,6 +70,7 @@ from clora_feedback.bench.learning import (
 from clora_feedback.bench.learning_tasks import FAMILIES
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import Sampling
+from clora_feedback.lifecycle import cancel_and_wait
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.schemas.feedback import Resolution
 
@@ -345,9 +346,7 @@ async def _gate_cost(admin: httpx.AsyncClient, server: LocalServer, client: Any,
                 windows.append({"gate": gating, "seconds": round(t1 - t0, 2),
                                 "requests": requests, "tokens": tokens})  # fmt: skip
     finally:
-        for task in clients:
-            task.cancel()
-        await asyncio.gather(*clients, return_exceptions=True)
+        await cancel_and_wait(clients)
     return _gate_cost_summary(windows, evaluations, stream.errors, version)
 
 
@@ -415,9 +414,7 @@ async def _run(server: LocalServer, args: argparse.Namespace, run: ReleaseRun) -
         run.gate_cost = await _gate_cost(admin, server, client, args)
         await admin.post(f"/v1/adapters/{AGENT}/unpin")
     finally:
-        for task in users:
-            task.cancel()
-        await asyncio.gather(*users, return_exceptions=True)
+        await cancel_and_wait(users)
         await sender.aclose()
         await client.close()
         await admin.aclose()

@@ -58,6 +58,7 @@ from clora_feedback.demo.brokerhost import HostedBroker
 from clora_feedback.demo.server import LocalServer
 from clora_feedback.demo.workloads import CodingWorkload, Sampling, SupportWorkload, Workload
 from clora_feedback.heap import release_freed_memory
+from clora_feedback.lifecycle import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +222,7 @@ class Demo:
                 await asyncio.sleep(0.5)
         finally:
             self._stop.set()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
             self._refresh()
             display.close()
             for sender in senders.values():

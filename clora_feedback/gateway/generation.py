@@ -40,6 +40,7 @@ from clora_feedback.engine.types import (
     choice_seed,
 )
 from clora_feedback.errors import ContextLengthError, EngineError, InvalidRequestError
+from clora_feedback.lifecycle import cancel_and_wait
 from clora_feedback.schemas.openai import logit_bias_pairs
 
 
@@ -280,9 +281,7 @@ class GenerationRun:
         finally:
             # Abort first (synchronous, immediate), then stop the pumps.
             self.abort()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
 
     async def _single(self) -> AsyncGenerator[tuple[ChoiceState, RequestOutput], None]:
         """`events` of a run with one choice: the same events, errors and aborts, read
