@@ -43,7 +43,14 @@ from typing import Any
 
 import torch
 
-from clora_feedback.bench.report import Row, format_facts, format_table, machine_facts, median
+from clora_feedback.bench.report import (
+    Row,
+    format_facts,
+    format_table,
+    machine_facts,
+    median,
+    quick_defaults,
+)
 from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES
 from clora_feedback.demo import support
 from clora_feedback.model.config import ModelConfig
@@ -428,9 +435,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args(argv)
-    for name, full, small in (("steps", 5, 2), ("tickets", 8, 4), ("eval", 32, 8)):
-        if getattr(args, name) is None:
-            setattr(args, name, small if args.quick else full)
+    quick_defaults(args, steps=(5, 2), tickets=(8, 4), eval=(32, 8))
     return args
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -63,11 +62,11 @@ from benchmarks.staleness import (
 from clora_feedback.bench import OMP_WAIT_POLICIES
 from clora_feedback.bench.report import (
     Row,
-    format_facts,
-    format_table,
     machine_facts,
     median,
     percentile,
+    print_report,
+    quick_defaults,
     verdict,
 )
 from clora_feedback.config import DEFAULT_MODEL, EngineConfig, FeedbackConfig
@@ -453,16 +452,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     quick = args.quick
-    for name, full, small in (
-        ("prompt_tokens", 64, 16),
-        ("completion_tokens", 32, 8),
-        ("reps", 5, 1),
-        ("train_reps", 3, 1),
-        ("window_s", 4.0, 0.3),
-        ("publish_interval_ms", 1000.0, 50.0),
-    ):
-        if getattr(args, name) is None:
-            setattr(args, name, small if quick else full)
+    quick_defaults(
+        args,
+        prompt_tokens=(64, 16),
+        completion_tokens=(32, 8),
+        reps=(5, 1),
+        train_reps=(3, 1),
+        window_s=(4.0, 0.3),
+        publish_interval_ms=(1000.0, 50.0),
+    )
     args.small_shape = Shape(1, 8, 4) if quick else Shape(1, 32, 16)
     args.staleness_rates = (0.1, 0.5, 1.0)
     args.staleness_duration_s = 2_000.0 if quick else 20_000.0
@@ -586,12 +584,8 @@ def run(argv: list[str]) -> int:
     facts["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "(unset)")
     facts["load average at start"] = load_before
     facts["wall time"] = f"{time.perf_counter() - started:.0f} s"
-    print(format_table(rows(args, figures)))
-    print()
-    print(format_facts(facts))
-    if args.json is not None:
-        raw = {"args": {k: str(v) for k, v in vars(args).items()}, "facts": facts}
-        args.json.write_text(json.dumps(raw | asdict(figures), indent=1))
+    options = {k: str(v) for k, v in vars(args).items()}
+    print_report(rows(args, figures), facts, args.json, options, asdict(figures))
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sqlite3
 import sys
@@ -40,11 +39,11 @@ from pathlib import Path
 
 from clora_feedback.bench.report import (
     Row,
-    format_facts,
-    format_table,
     machine_facts,
     median,
     percentile,
+    print_report,
+    quick_defaults,
     verdict,
 )
 from clora_feedback.config import FeedbackConfig
@@ -384,15 +383,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args(argv)
-    for name, full, small in (
-        ("events", 20_000, 1000),
-        ("reps", 5, 1),
-        ("rate", 1000.0, 200.0),
-        ("latency_events", 3000, 200),
-        ("completions", 200, 20),
-    ):
-        if getattr(args, name) is None:
-            setattr(args, name, small if args.quick else full)
+    quick_defaults(
+        args,
+        events=(20_000, 1000),
+        reps=(5, 1),
+        rate=(1000.0, 200.0),
+        latency_events=(3000, 200),
+        completions=(200, 20),
+    )
     return args
 
 
@@ -418,12 +416,8 @@ def run(argv: list[str]) -> int:
     facts = machine_facts() | _versions()
     facts["load average at start"] = load_before
     facts["wall time"] = f"{time.perf_counter() - started:.0f} s"
-    print(format_table(rows(args, figures)))
-    print()
-    print(format_facts(facts))
-    if args.json is not None:
-        raw = {"args": vars(args) | {"json": str(args.json)}, "facts": facts}
-        args.json.write_text(json.dumps(raw | asdict(figures), indent=1))
+    options = vars(args) | {"json": str(args.json)}
+    print_report(rows(args, figures), facts, args.json, options, asdict(figures))
     return 0
 
 

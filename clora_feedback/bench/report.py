@@ -1,5 +1,8 @@
 """How the training and ingestion benchmarks report: result rows, a Markdown table, machine facts.
 
+Also the two steps their command lines share: `quick_defaults` (the options a
+`--quick` run shrinks) and `print_report` (the table and facts, and the `--json` file).
+
 Every row compares a measurement with a baseline taken in the same run, so
 the ratio is meaningful even on a machine shared with other work; the table
 is Markdown so it can be pasted into `docs/benchmarks.md` as printed.
@@ -9,12 +12,16 @@ Not here: any measurement (see `train`, `ingest`).
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass
+from pathlib import Path
+from typing import Any
 
 COLUMNS = ("#", "measurement", "result", "baseline (same run)", "ratio", "goal", "met")
 """Header of every benchmark table (one cell per `Row` field, in order)."""
@@ -127,3 +134,28 @@ def machine_facts() -> dict[str, str]:
 
 def format_facts(facts: dict[str, str]) -> str:
     return "\n".join(f"- {k}: {v}" for k, v in facts.items())
+
+
+def quick_defaults(args: argparse.Namespace, **defaults: tuple[Any, Any]) -> None:
+    """Fill each option named in `defaults` that was left unset (None) with its default:
+    `name=(full run, --quick)`."""
+    for name, (full, small) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.quick else full)
+
+
+def print_report(
+    table: Sequence[Row],
+    facts: dict[str, str],
+    json_path: Path | None,
+    options: Mapping[str, Any],
+    figures: Mapping[str, Any],
+) -> None:
+    """Print `table`, a blank line and `facts`; with `json_path` (`--json`), also write the
+    raw run there: `{"args": options, "facts": facts, **figures}`."""
+    print(format_table(table))
+    print()
+    print(format_facts(facts))
+    if json_path is not None:
+        raw = {"args": options, "facts": facts}
+        json_path.write_text(json.dumps(raw | dict(figures), indent=1))

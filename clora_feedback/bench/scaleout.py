@@ -51,7 +51,13 @@ from typing import Any
 import httpx
 
 from clora_feedback.bench.ingest import make_events, store_trajectories
-from clora_feedback.bench.report import Row, format_facts, format_table, machine_facts, median
+from clora_feedback.bench.report import (
+    Row,
+    machine_facts,
+    median,
+    print_report,
+    quick_defaults,
+)
 from clora_feedback.bench.roles import RoleProcess, free_port, wait_healthy, write_settings
 from clora_feedback.config import FeedbackConfig, KafkaConfig
 from clora_feedback.feedback.broker import LocalBroker
@@ -424,10 +430,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args(argv)
-    for name, full, small in (("events", 6000, 1500), ("train_samples", 96, 32),
-                              ("publishes", 10, 4)):  # fmt: skip
-        if getattr(args, name) is None:
-            setattr(args, name, small if args.quick else full)
+    quick_defaults(args, events=(6000, 1500), train_samples=(96, 32), publishes=(10, 4))
     if args.pg_url is None:
         url_file = Path("var/postgres.url")
         args.pg_url = url_file.read_text().strip() if url_file.is_file() else DEFAULT_PG
@@ -461,12 +464,8 @@ def run(argv: list[str]) -> int:
     facts["load average at start"] = load_before
     facts["postgresql"] = redact(args.pg_url)
     facts["wall time"] = f"{time.perf_counter() - started:.0f} s"
-    print(format_table(rows(args, figures)))
-    print()
-    print(format_facts(facts))
-    if args.json is not None:
-        raw = {"args": {k: str(v) for k, v in vars(args).items()}, "facts": facts}
-        args.json.write_text(json.dumps(raw | asdict(figures), indent=1))
+    options = {k: str(v) for k, v in vars(args).items()}
+    print_report(rows(args, figures), facts, args.json, options, asdict(figures))
     return 1 if failed else 0
 
 
