@@ -1,5 +1,7 @@
 """Shared fixtures: the tiny random model, and a real gateway server on a loopback port.
 
+`wait_for` polls a condition until a deadline (the service tests' background work).
+
 `GatewayServer` runs uvicorn in a background thread on a socket bound to a free
 port (as httpx's own test suite does), so tests talk HTTP through the official
 `openai` client exactly like an agent would. The engine is the embedded torch
@@ -157,6 +159,14 @@ def serve_app(app: Any, engine: Any) -> Iterator[GatewayServer]:
     finally:
         gateway.stop()
         sock.close()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, *, interval: float = 0.2) -> None:
+    """Poll `predicate` every `interval` seconds until it is truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(interval)
 
 
 GatewayFactory = Callable[..., GatewayServer]

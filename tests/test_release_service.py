@@ -6,48 +6,22 @@ the CLI, and a restart mid-canary routes the same arm."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import serve_app
+from conftest import serve_app, wait_for
+from release_support import release_settings, sticky_replies
 
 from clora_feedback.cli.adapters import add_adapters_parser
 from clora_feedback.client import FeedbackClient
-from clora_feedback.config import (
-    AgentConfig,
-    EngineConfig,
-    FeedbackConfig,
-    KafkaConfig,
-    Settings,
-    TrainerConfig,
-)
+from clora_feedback.config import AgentConfig, EngineConfig, Settings
 from clora_feedback.service import build_service
 
 
-def _wait(predicate: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
-
-
 def _settings(model_dir: Path, tmp_path: Path) -> Settings:
-    return Settings(
-        data_dir=tmp_path / "var",
-        adapters_dir=tmp_path / "adapters",
-        engine=EngineConfig(model=str(model_dir), max_model_len=512, num_threads=1, max_num_seqs=4),
-        agents=[AgentConfig(name="support")],
-        feedback=FeedbackConfig(kafka=KafkaConfig(embedded_broker=False)),
-        trainer=TrainerConfig(admission={"min_batch": 2, "max_batch": 4}, poll_interval_s=0.1),  # type: ignore[arg-type]
-        release={  # type: ignore[arg-type]
-            "interval_s": 0.2,
-            "gate": {"holdout_fraction": 0.5, "min_cases": 2, "max_tokens": 4},
-            "canary": {"share": 0.5, "min_feedback": 1000},  # an operator promotes it here
-        },
-    )
+    engine = EngineConfig(model=str(model_dir), max_model_len=512, num_threads=1, max_num_seqs=4)
+    return release_settings(tmp_path, engine, AgentConfig(name="support"))
 
 
 def _cli(url: str, *argv: str) -> int:
@@ -75,24 +49,21 @@ def test_candidates_are_gated_canaried_and_promoted(tiny_model_dir: Path, tmp_pa
             for i, cid in enumerate(ids):
                 feedback.correction("support", completion_id=cid, corrected_content=f"team {i % 3}")
         # Candidates serve nothing until the release path promotes one.
-        _wait(lambda: service.registry.versions("support") if _known(service) else False)
+        wait_for(
+            lambda: service.registry.versions("support") if _known(service) else False, timeout=120
+        )
         assert service.deployer.serving("support") is None
-        _wait(lambda: bool(service.release.canaries()))
+        wait_for(lambda: bool(service.release.canaries()), timeout=120)
         versions = http.get("/v1/adapters/support/versions").json()["data"]
         states = {v["version"]: (v["release"] or {}).get("state") for v in versions}
         assert "canary" in states.values(), states
         assert "passed" not in states.values()  # a pass became the canary
         canary = service.release.canaries()["support"]
         served: dict[int, list[str]] = {}  # live traffic on both arms, sticky by conversation
-        for c in range(16):
-            for _ in range(2):
-                reply = client.chat.completions.create(
-                    model="support", messages=[{"role": "user", "content": "hi"}],
-                    max_tokens=2, metadata={"conversation_id": f"conv-{c}"},
-                )  # fmt: skip
-                versions_ = reply.choices[0].model_extra["clora"]["token_versions"]
-                served.setdefault(c, []).append(str(reply.model_extra["clora"]["adapter_version"]))
-                assert set(map(str, versions_)) <= {served[c][-1]}  # every token: that arm
+        for c, reply in sticky_replies(client):
+            versions_ = reply.choices[0].model_extra["clora"]["token_versions"]
+            served.setdefault(c, []).append(str(reply.model_extra["clora"]["adapter_version"]))
+            assert set(map(str, versions_)) <= {served[c][-1]}  # every token: that arm
         assert all(len(set(v)) == 1 for v in served.values()), served  # sticky
         assert {str(canary[0]), "0"} <= {v[0] for v in served.values()}  # both arms served
         assert _cli(gw.url, "promote", "support", "--reason", "looks good") == 0

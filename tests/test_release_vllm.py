@@ -16,25 +16,16 @@ server.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from conftest import serve_app
+from conftest import serve_app, wait_for
+from release_support import release_settings, sticky_replies
 from vllm_fixtures import VLLMServer
 
 from clora_feedback.client import FeedbackClient
-from clora_feedback.config import (
-    AgentConfig,
-    EngineConfig,
-    FeedbackConfig,
-    KafkaConfig,
-    Settings,
-    TrainerConfig,
-)
+from clora_feedback.config import AgentConfig, EngineConfig, Settings
 from clora_feedback.engine.factory import build_engine
 from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import random_lora_weights
@@ -43,33 +34,17 @@ from clora_feedback.service import build_service
 pytestmark = pytest.mark.vllm
 
 
-def _wait(predicate: Callable[[], Any], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
-
-
 def _settings(server: VLLMServer, tmp_path: Path) -> Settings:
-    return Settings(
-        data_dir=tmp_path / "var",
-        adapters_dir=tmp_path / "adapters",
-        engine=EngineConfig(
-            kind="vllm",
-            vllm={"urls": [server.url]},  # type: ignore[arg-type]
-            model=str(server.model_dir),
-            max_model_len=1024,
-            num_threads=1,
-            max_num_seqs=4,
-        ),
-        agents=[AgentConfig(name="support", adapter_path=tmp_path / "mine")],
-        feedback=FeedbackConfig(kafka=KafkaConfig(embedded_broker=False)),
-        trainer=TrainerConfig(admission={"min_batch": 2, "max_batch": 4}, poll_interval_s=0.1),  # type: ignore[arg-type]
-        release={  # type: ignore[arg-type]
-            "interval_s": 0.2,
-            "gate": {"holdout_fraction": 0.5, "min_cases": 2, "max_tokens": 4},
-            "canary": {"share": 0.5, "min_feedback": 1000},  # an operator promotes it here
-        },
+    engine = EngineConfig(
+        kind="vllm",
+        vllm={"urls": [server.url]},  # type: ignore[arg-type]
+        model=str(server.model_dir),
+        max_model_len=1024,
+        num_threads=1,
+        max_num_seqs=4,
+    )
+    return release_settings(
+        tmp_path, engine, AgentConfig(name="support", adapter_path=tmp_path / "mine")
     )
 
 
@@ -129,7 +104,9 @@ def test_candidates_are_gated_canaried_and_promoted_on_vllm(
                 feedback.correction("support", completion_id=cid, corrected_content=f"team {i % 3}")
 
         # 1. Candidates serve nothing until the release path promotes one.
-        _wait(lambda: max(v.version for v in service.registry.versions("support")) >= 2)
+        wait_for(
+            lambda: max(v.version for v in service.registry.versions("support")) >= 2, timeout=300
+        )
         reply = client.chat.completions.create(
             model="support", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
@@ -138,7 +115,7 @@ def test_candidates_are_gated_canaried_and_promoted_on_vllm(
         assert service.engine.adapter_version("support") == 1
 
         # 2 and 3. The gate passes a candidate, which canaries beside serving.
-        _wait(lambda: bool(release.canaries()))
+        wait_for(lambda: bool(release.canaries()), timeout=300)
         canary, share = release.canaries()["support"]
         assert canary >= 2 and share == 0.5
         versions = http.get("/v1/adapters/support/versions").json()["data"]
@@ -165,19 +142,14 @@ def test_candidates_are_gated_canaried_and_promoted_on_vllm(
         assert service.engine.adapter_version("support") == 1
 
         served: dict[int, list[int]] = {}  # live traffic on both arms, sticky by conversation
-        for c in range(16):
-            for _ in range(2):
-                reply = client.chat.completions.create(
-                    model="support", messages=[{"role": "user", "content": "hi"}],
-                    max_tokens=2, metadata={"conversation_id": f"conv-{c}"},
-                )  # fmt: skip
-                assert reply.model_extra is not None
-                [choice] = reply.choices
-                assert choice.model_extra is not None
-                version = int(reply.model_extra["clora"]["adapter_version"])
-                served.setdefault(c, []).append(version)
-                assert set(choice.model_extra["clora"]["token_versions"]) <= {version}
-                assert choice.model_extra["clora"]["token_versions"]  # tokens were generated
+        for c, reply in sticky_replies(client):
+            assert reply.model_extra is not None
+            [choice] = reply.choices
+            assert choice.model_extra is not None
+            version = int(reply.model_extra["clora"]["adapter_version"])
+            served.setdefault(c, []).append(version)
+            assert set(choice.model_extra["clora"]["token_versions"]) <= {version}
+            assert choice.model_extra["clora"]["token_versions"]  # tokens were generated
         assert all(len(set(v)) == 1 for v in served.values()), served  # sticky
         assert {v[0] for v in served.values()} == {1, canary}, served  # both arms served
 
@@ -206,7 +178,7 @@ def test_candidates_are_gated_canaried_and_promoted_on_vllm(
         names = _server_names(vllm_server)
         assert _named(names, "support@canary@") == [], names
         assert len(_named(names, f"support@v{canary}+")) == 1, names
-        _wait(lambda: _named(_server_names(vllm_server), "support@v1+") == [], timeout=30)
+        wait_for(lambda: _named(_server_names(vllm_server), "support@v1+") == [], timeout=30)
         versions = http.get("/v1/adapters/support/versions").json()["data"]
         assert {v["version"]: (v["release"] or {}).get("state") for v in versions}[
             canary
