@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from feedback_support import trainer_stores
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -18,11 +19,10 @@ from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig,
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.feedback.rewards import DefaultRewardPolicy
-from clora_feedback.feedback.store import FeedbackStore, Incoming
+from clora_feedback.feedback.store import Incoming
 from clora_feedback.model.tiny import build_tiny_model_dir
 from clora_feedback.schemas.feedback import Correction, Reward
-from clora_feedback.store.registry import AdapterRegistry
-from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
 from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.trainer import ContinualTrainer
 
@@ -38,13 +38,7 @@ class World:
     def __init__(self, root: Path, engine: EmbeddedEngine, **trainer: object):
         self.root = root
         self.engine = engine
-        self.trajectories = TrajectoryStore(root / "t.db")
-        self.feedback = FeedbackStore(
-            root / "t.db",
-            trajectories=self.trajectories,
-            policy=DefaultRewardPolicy(FeedbackConfig()),
-        )
-        self.registry = AdapterRegistry(root / "adapters", root / "registry.db")
+        self.trajectories, self.feedback, self.registry = trainer_stores(root)
         cfg = TrainerConfig(admission=AdmissionConfig(min_batch=2, max_batch=8), lr=1e-2, **trainer)  # type: ignore[arg-type]
         policy = DecoderPolicy.shared_with(engine)
         self.deployer = Deployer(engine, self.registry)  # the trainer hands versions to it

@@ -8,17 +8,16 @@ import time
 from pathlib import Path
 
 import pytest
+from feedback_support import trainer_stores
 
-from clora_feedback.config import AdmissionConfig, EngineConfig, FeedbackConfig, TrainerConfig
+from clora_feedback.config import AdmissionConfig, EngineConfig, TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.errors import NotFoundError
-from clora_feedback.feedback.rewards import DefaultRewardPolicy
-from clora_feedback.feedback.store import FeedbackStore, Incoming
+from clora_feedback.feedback.store import Incoming
 from clora_feedback.model.tiny import build_tiny_model_dir
 from clora_feedback.schemas.feedback import Correction
-from clora_feedback.store.registry import AdapterRegistry
 from clora_feedback.store.registry.releases import ReleaseBook
-from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord, TrajectoryStore
+from clora_feedback.store.trajectories import SampleRecord, TrajectoryRecord
 from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.trainer import ContinualTrainer
 
@@ -34,13 +33,7 @@ class World:
 
     def __init__(self, root: Path, engine: EmbeddedEngine) -> None:
         self.engine = engine
-        self.trajectories = TrajectoryStore(root / "t.db")
-        self.feedback = FeedbackStore(
-            root / "t.db",
-            trajectories=self.trajectories,
-            policy=DefaultRewardPolicy(FeedbackConfig()),
-        )
-        self.registry = AdapterRegistry(root / "adapters", root / "registry.db")
+        self.trajectories, self.feedback, self.registry = trainer_stores(root)
         self.book = ReleaseBook(self.registry)
         cfg = TrainerConfig(
             admission=AdmissionConfig(min_batch=2, max_batch=2, max_staleness=1), lr=1e-2
