@@ -499,9 +499,11 @@ class EmbeddedEngine:
 
     def _admit(self, adapters: HostAdapters) -> None:
         """Move waiting sequences into free rows, in arrival order. Background requests
-        (the gate's, the probe's) yield: at most `max_num_seqs // 4` rows (at least one)
-        at a time, and none beyond the first while a client request waits, so evaluation
-        neither queues clients behind it nor starves (one row always advances)."""
+        (the gate's, the probe's) yield to clients: while a client request waits, none
+        starts beyond the first one running (one row always advances, so evaluation never
+        starves); when none waits they take every free row, so an evaluation is over
+        soon (a batch that mixes in another adapter costs every row of it a slower step,
+        so a short burst costs clients less than a long trickle)."""
         with self._lock:
             candidates = list(self._waiting)
         background = sum(1 for s in self._running if s.request.background)
@@ -541,10 +543,9 @@ class EmbeddedEngine:
                 clients_waiting -= 1
         self._running.sort(key=lambda s: s.row)
 
-    def _background_fits(self, running: int, clients_waiting: int) -> bool:
+    @staticmethod
+    def _background_fits(running: int, clients_waiting: int) -> bool:
         """Whether one more background row may start, `running` of them running now."""
-        if running >= max(1, self.config.max_num_seqs // 4):
-            return False
         return running == 0 or clients_waiting == 0
 
     def _remove_waiting(self, seq: _Sequence) -> None:

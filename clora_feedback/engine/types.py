@@ -243,8 +243,8 @@ class GenerationRequest:
             compiled by the engine; its `kind` must be in `EngineCapabilities.constraints`.
         background: the service's own evaluation traffic (the release gate, the no-op
             probe), not a client's: an engine may admit it only into rows that no client
-            request is waiting for (the embedded engine does, see `EmbeddedEngine`; vLLM
-            serves it like any request).
+            request is waiting for (the embedded engine does, keeping one row advancing;
+            vLLM serves it like any request).
     """
 
     request_id: str

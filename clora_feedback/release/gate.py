@@ -24,9 +24,9 @@ decides on the paired differences (`stats.paired_verdict`):
 Cost, bounded: at most `gate.max_cases` cases x 2 versions, each at most
 `gate.max_tokens` tokens, at most `gate.concurrency` rows in the engine at a time,
 all within `gate.timeout_s`. The requests join the same decode batches as live
-traffic (no pause of any agent) as background requests: the embedded engine gives
-them at most a quarter of its rows, and none beyond one while a client request
-waits (`GenerationRequest.background`); serving's answers are cached per (version, case),
+traffic (no pause of any agent) as background requests: the embedded engine starts
+none beyond one while a client request waits, and fills free rows otherwise
+(`GenerationRequest.background`); serving's answers are cached per (version, case),
 so a chain of candidates against one serving version pays for serving once.
 Measured on this box's 2 shared cores with SmolLM2-135M beside live traffic and the
 trainer (`clora bench release`): 24 cases x 2 versions in 7-17 s wall per evaluation.
