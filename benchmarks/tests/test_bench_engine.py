@@ -53,3 +53,19 @@ def test_decode_profile_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     for case in ("decode_mixed_permuted", "lora_mixed_rank8", "mixed_vs_one_decode"):
         assert f"| {case} |" in out
     assert "nan" not in out and "inf" not in out
+
+
+def test_mixed_rows_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import mixed_rows
+
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
+    argv = ["--model", str(model_dir), "--rows", "2", "--tokens", "3", "--reps", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert mixed_rows.run([*argv, "--threads", "1", "--json", str(tmp_path / "m.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "another adapter / same adapter" in out and "cpu" in out
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert all(v > 0 for v in record["ratios"].values())
