@@ -97,8 +97,8 @@ def run(argv: list[str] | None = None) -> int:
     for name, value in ratios.items():
         print(f"- {name}: {value:.2f}x")
     facts = machine_facts()
-    for key, value in facts.items():
-        print(f"- {key}: {value}")
+    for key, fact in facts.items():
+        print(f"- {key}: {fact}")
     if args.json is not None:
         record = {"seconds": seconds, "ratios": ratios, "facts": facts, "args": vars(args)}
         args.json.write_text(json.dumps(record, indent=2, default=str))
