@@ -88,6 +88,20 @@ def test_an_equal_candidate_that_answers_differently_is_inconclusive_not_failed(
     assert behind.outcome == "failed" and behind.upper < 0
 
 
+def test_a_few_lost_cases_against_a_perfect_serving_version_are_not_shown_worse() -> None:
+    """Serving answered all 24 cases; the candidate lost 2 and won none. The t bound alone
+    says worse (upper -0.007), but 2 of 2 differing cases going one way happens by luck
+    a quarter of the time: inconclusive, not rejected. Lost 5 of 5: shown worse."""
+    from clora_feedback.release.stats import sign_test_p
+
+    two = paired_verdict([-1.0] * 2 + [0.0] * 22, max_drop=0.1, confidence=0.9)
+    assert two.upper < 0 and two.sign_p == 0.25 and two.outcome == "inconclusive"
+    five = paired_verdict([-1.0] * 5 + [0.0] * 19, max_drop=0.1, confidence=0.9)
+    assert five.sign_p == 1 / 32 and five.outcome == "failed"
+    assert (five.worse, five.better) == (5, 0)
+    assert sign_test_p(0, 0) == 1.0 and sign_test_p(1, 1) == 0.75
+
+
 def test_an_equal_candidate_is_rarely_failed() -> None:
     """At a true mean difference of 0 the upper bound falls below 0 about 1 - confidence."""
     rng = random.Random(5)

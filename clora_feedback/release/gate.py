@@ -10,7 +10,7 @@ decides on the paired differences (`stats.paired_verdict`):
 - **passed**: not worse than serving by more than `gate.max_drop` at
   `gate.confidence` (one-sided lower bound);
 - **failed**: shown worse than serving (the one-sided upper bound of the mean
-  difference below 0); the candidate is rejected, kept on disk with this evidence,
+  difference below 0, and the sign test of the differing cases agreeing); the candidate is rejected, kept on disk with this evidence,
   and the trainer stops continuing from it;
 - **inconclusive**: neither (two versions of about the same quality that answer many
   cases differently: on a learning agent, most successive versions). It does not
@@ -205,7 +205,9 @@ class OfflineGate:
         bound = (
             f"lower {cfg.confidence:.0%} bound {result.lower:+.3f} >= -{cfg.max_drop:g}"
             if result.passed else
-            f"upper {cfg.confidence:.0%} bound {result.upper:+.3f} < 0" if result.outcome == "failed"
+            f"upper {cfg.confidence:.0%} bound {result.upper:+.3f} < 0 and {result.worse} of "
+            f"{result.worse + result.better} differing cases worse (sign p {result.sign_p:.3f})"
+            if result.outcome == "failed"
             else f"bounds {result.lower:+.3f} < -{cfg.max_drop:g} and {result.upper:+.3f} >= 0"
         )  # fmt: skip
         words = (

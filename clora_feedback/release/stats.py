@@ -7,9 +7,14 @@ Two questions, each answered with Student's t (only `math` needed):
   confidence bounds of the mean difference are
   `mean(d) -/+ t(confidence, n - 1) * sd(d) / sqrt(n)`. Three outcomes: **passed**
   when the lower bound is at least `-max_drop` (shown not worse than serving by
-  more than `max_drop`); **failed** when the upper bound is below 0 (shown worse
-  than serving); **inconclusive** otherwise (neither shown: on two dozen binary
-  cases that two versions answer differently the bound is +-0.2 wide, so a
+  more than `max_drop`); **failed** when shown worse than serving: the upper
+  bound is below 0 *and* an exact sign test on the cases the two versions scored
+  differently says so at the same confidence (`sign_test_p`: with binary scores
+  the t bound alone is anti-conservative when few cases differ: a candidate that
+  lost 2 of 24 cases a perfect serving version answered, and won none, has an
+  upper bound of -0.007, while the chance of 2 of 2 differing cases going against
+  it by luck is 0.25); **inconclusive** otherwise (neither shown: on two dozen
+  binary cases that two versions answer differently the bound is +-0.2 wide, so a
   candidate equal to serving is neither). Pairing removes the variance of the
   cases themselves (hard cases are hard for both versions), so a few dozen cases
   decide what two independent samples could not.
@@ -49,6 +54,7 @@ __all__ = [
     "regularized_beta",
     "sequential_alpha",
     "sequential_worse",
+    "sign_test_p",
     "student_t_ppf",
     "student_t_sf",
     "welch_one_sided",
@@ -133,8 +139,15 @@ class PairedResult:
     """One-sided lower confidence bound of the mean difference."""
     upper: float
     """One-sided upper confidence bound of the mean difference."""
+    worse: int
+    """Cases the candidate scored lower on."""
+    better: int
+    """Cases the candidate scored higher on."""
+    sign_p: float
+    """Exact one-sided sign-test p-value of "the candidate is worse" (`sign_test_p`)."""
     outcome: PairedOutcome
-    """`passed` (`lower >= -max_drop`), `failed` (`upper < 0`), else `inconclusive`."""
+    """`passed` (`lower >= -max_drop`), `failed` (`upper < 0` and `sign_p < 1 -
+    confidence`), else `inconclusive`."""
 
     @property
     def passed(self) -> bool:
@@ -147,6 +160,9 @@ class PairedResult:
             "sd_diff": round(self.sd, 6),
             "lower_bound": round(self.lower, 6),
             "upper_bound": round(self.upper, 6),
+            "worse_cases": self.worse,
+            "better_cases": self.better,
+            "sign_p": round(self.sign_p, 6),
             "outcome": self.outcome,
             "passed": self.passed,
         }
@@ -170,10 +186,20 @@ def paired_verdict(diffs: Sequence[float], *, max_drop: float, confidence: float
     sd = statistics.stdev(diffs)
     half = student_t_ppf(confidence, n - 1) * sd / math.sqrt(n) if sd > 0 else 0.0
     lower, upper = mean - half, mean + half
+    worse, better = sum(d < 0 for d in diffs), sum(d > 0 for d in diffs)
+    sign_p = sign_test_p(worse, better)
+    shown_worse = upper < 0 and sign_p < 1.0 - confidence
     outcome: PairedOutcome = (
-        "passed" if lower >= -max_drop else "failed" if upper < 0 else "inconclusive"
+        "passed" if lower >= -max_drop else "failed" if shown_worse else "inconclusive"
     )
-    return PairedResult(n, mean, sd, lower, upper, outcome)
+    return PairedResult(n, mean, sd, lower, upper, worse, better, sign_p, outcome)
+
+
+def sign_test_p(worse: int, better: int) -> float:
+    """P(at least `worse` of the `worse + better` differing cases go against the candidate)
+    when each is a fair coin: the exact one-sided sign test (1.0 when no case differs)."""
+    n = worse + better
+    return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
 
 
 @dataclass(frozen=True)
