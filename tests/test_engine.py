@@ -159,8 +159,8 @@ async def test_more_agents_than_slots_and_limits(model_dir: Path) -> None:
 async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> None:
     """Evaluation traffic (the gate's, the probe's) queues no client behind it: with three
     background requests ahead of three clients in a 4-row engine, one background row runs
-    (evaluation never starves), the clients take the other rows at once and finish before
-    the other background requests start, which then share the free rows."""
+    (evaluation never starves) and the clients take the other rows at once, ahead of the
+    other background requests, which start only as rows come free."""
     engine = _engine(model_dir)
     await engine.start()
     try:
@@ -173,14 +173,20 @@ async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> Non
                 first.setdefault(request.request_id, asyncio.get_running_loop().time())
             done[request.request_id] = asyncio.get_running_loop().time()
 
-        sampling = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        requests = [
-            GenerationRequest(f"bg{i}", None, prompt, sampling, background=True) for i in range(3)
-        ] + [GenerationRequest(f"client{i}", None, prompt, sampling) for i in range(3)]
+        def sampling(max_tokens: int) -> SamplingParams:
+            return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+        # bg0 outlives the clients, so the rows that come free first are the clients'.
+        requests = [GenerationRequest("bg0", None, prompt, sampling(30), background=True)]
+        requests += [
+            GenerationRequest(f"bg{i}", None, prompt, sampling(10), background=True)
+            for i in (1, 2)
+        ]
+        requests += [GenerationRequest(f"client{i}", None, prompt, sampling(10)) for i in range(3)]
         await asyncio.gather(*(run(r) for r in requests))
         clients_first = max(first[f"client{i}"] for i in range(3))
-        clients_done = max(done[f"client{i}"] for i in range(3))
+        first_client_done = min(done[f"client{i}"] for i in range(3))
         assert first["bg0"] <= clients_first < done["bg0"], (first, done)  # side by side
-        assert clients_done <= min(first["bg1"], first["bg2"]), (first, done)
+        assert first_client_done <= min(first["bg1"], first["bg2"]), (first, done)
     finally:
         await engine.stop()
