@@ -179,8 +179,7 @@ async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> Non
         # bg0 outlives the clients, so the rows that come free first are the clients'.
         requests = [GenerationRequest("bg0", None, prompt, sampling(30), background=True)]
         requests += [
-            GenerationRequest(f"bg{i}", None, prompt, sampling(10), background=True)
-            for i in (1, 2)
+            GenerationRequest(f"bg{i}", None, prompt, sampling(10), background=True) for i in (1, 2)
         ]
         requests += [GenerationRequest(f"client{i}", None, prompt, sampling(10)) for i in range(3)]
         await asyncio.gather(*(run(r) for r in requests))
