@@ -658,6 +658,22 @@ class TrainerConfig(BaseModel):
         "supervised only on the other classes and flips between them.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL-to-base weight (0: no reference pass).")
+    retry_lr_factor: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Release path: after the release path rejects a candidate, the line "
+        "restarts from the newest good version with its learning rate times this factor per "
+        "failed attempt from that version (the same samples from the same weights would "
+        "otherwise give the same rejected candidate again).",
+    )
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="Release path: failed attempts from one version after which the samples "
+        "they trained on are set aside (not trained again) and the line waits for newer "
+        "feedback, still at the smallest learning rate.",
+    )
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="When fresh samples make a mini-batch."
     )

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from feedback_support import trainer_stores
 
 from clora_feedback.config import AdmissionConfig, EngineConfig, TrainerConfig
@@ -107,6 +108,47 @@ def test_a_rejection_restarts_from_the_newest_good_candidate(
     assert info.feedback_window["from_seq"] == v1_seq  # type: ignore[index]
     v2_window = world.registry.get("a", v2).feedback_window
     assert info.feedback_window["completion_ids"] == v2_window["completion_ids"]  # type: ignore[index]
+    world.close()
+
+
+def test_a_retry_takes_a_smaller_step_and_sets_repeated_failures_aside(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    """The same samples from the same weights would give the same rejected candidate
+    again: each failed attempt from the restart version halves the learning rate, and
+    after `max_retries` failed attempts their samples are set aside."""
+    world = World(tmp_path, engine)
+    v1 = world.step()
+    world.book.record("a", v1, "passed")
+    world.book.promote("a", v1, expected_active=None, stage="gate", evidence={})
+    v2 = world.step()
+    base_lr = world.trainer.history[-1].lr
+    first_window = world.registry.get("a", v2).feedback_window
+    rejected, lrs = [v2], []
+    for _ in range(3):
+        world.book.record("a", rejected[-1], "failed", stage="gate", evidence={})
+        retry = world.step()
+        info = world.registry.get("a", retry)
+        assert info.parent == v1  # from the serving version, on the same samples
+        assert info.feedback_window["completion_ids"] == first_window["completion_ids"]  # type: ignore[index]
+        lrs.append(world.trainer.history[-1].lr / base_lr)
+        rejected.append(retry)
+    assert lrs == pytest.approx([0.5, 0.25, 0.125])
+    weights = [world.registry.load("a", v)[0].tensors for v in rejected[:2]]
+    key = next(iter(weights[0]))
+    assert not torch.equal(weights[0][key][1], weights[1][key][1])  # not the same candidate
+    world.book.record("a", rejected[-1], "failed", stage="gate", evidence={})
+    after = world.step()
+    info = world.registry.get("a", after)
+    assert info.parent == v1
+    assert world.trainer.history[-1].lr / base_lr == pytest.approx(0.125)
+    ids = set(info.feedback_window["completion_ids"])  # type: ignore[index]
+    assert not ids & set(first_window["completion_ids"])  # type: ignore[index]  # set aside
+    assert info.feedback_window["from_seq"] >= first_window["to_seq"]  # type: ignore[index]
+    world.book.record("a", after, "passed")
+    world.book.promote("a", after, expected_active=v1, stage="gate", evidence={})
+    world.step()  # the line's candidate serves: full steps again
+    assert world.trainer.history[-1].lr == pytest.approx(base_lr)
     world.close()
 
 

@@ -16,6 +16,15 @@ samples after that version's cursor are trained again (the rejected line's
 steps are not lost data, only lost weights). Tested in
 `tests/test_trainer_release.py`.
 
+A restart backs off: the same samples from the same weights and optimizer state
+would give the same rejected candidate again (a run once reproduced one rejected
+candidate 19 times). Each failed attempt from the restart version (a child line
+of it holding a rejected version) multiplies the learning rate by
+`trainer.retry_lr_factor`; after `trainer.max_retries` failed attempts the
+samples those attempts trained on are set aside (the cursor moves past them) and
+the line waits for newer feedback at the smallest rate. A candidate of the line
+that comes to serve resets the rate (`trainer`).
+
 Without the release path a run starts from the active version, with the highest
 cursor any version trained on (a rollback does not train the same samples again).
 
@@ -26,6 +35,7 @@ themselves (`store.registry.releases`).
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -37,6 +47,8 @@ from clora_feedback.lora.weights import LoRALimits, LoRAWeights
 from clora_feedback.store.versions import AdapterStore
 from clora_feedback.train.replay import ReplayBuffer
 from clora_feedback.train.state import AgentTrainState, LoRALayout, init_lora
+
+log = logging.getLogger(__name__)
 
 
 class ReleaseStates(Protocol):
@@ -94,7 +106,10 @@ def load_run(
     except NotFoundError:
         info = None
     serving = 0 if info is None else info.version
-    start, trained = resume_point(registry, agent, serving, releases)
+    resume = resume_point(registry, agent, serving, releases)
+    start, trained = resume.version, resume.seq
+    if resume.failed_attempts > config.max_retries:
+        trained = max(trained, resume.attempted_seq)  # set aside: not trained a fifth time
     weights: LoRAWeights | None = None
     if start:
         weights, optimizer_state = registry.load(agent, start, limits=limits)
@@ -107,6 +122,13 @@ def load_run(
         params = init_lora(layout, seed=fresh_seed(config.seed, agent))
     state = AgentTrainState.create(agent, layout, params, version=version)
     state.load_optimizer_state(optimizer_state)
+    state.lr_scale = config.retry_lr_factor ** min(resume.failed_attempts, config.max_retries)
+    if resume.failed_attempts:
+        log.warning(
+            "agent %s: %d failed attempt(s) from v%d: learning rate x%g%s", agent,
+            resume.failed_attempts, start, state.lr_scale,
+            f", samples up to seq {trained} set aside" if trained > resume.seq else "",
+        )  # fmt: skip
     replay = ReplayBuffer(config.replay_buffer, seed=config.seed)
     run = AgentRun(state, pulled_seq=trained, trained_seq=trained, replay=replay)
     run.chain, run.serving = {serving, version}, serving
@@ -117,10 +139,28 @@ def load_run(
     return run
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a fresh run of an agent starts.
+
+    Attributes:
+        version: the version to train from (0: a fresh adapter).
+        seq: the reward seq cursor of that version's line (samples after it train).
+        failed_attempts: release path: child lines of `version` that hold a rejected
+            version (each one attempt to step from `version` that the release path refused).
+        attempted_seq: the highest reward seq those failed attempts trained on.
+    """
+
+    version: int
+    seq: int
+    failed_attempts: int = 0
+    attempted_seq: int = 0
+
+
 def resume_point(
     registry: AdapterStore, agent: str, serving: int, releases: ReleaseStates | None
-) -> tuple[int, int]:
-    """(version to train from, reward seq cursor) for a fresh run of `agent`.
+) -> Resume:
+    """Where a fresh run of `agent` starts: the version, its cursor, its failed attempts.
 
     Without the release path (`releases` None): the active version (`serving`), and
     the highest seq any version trained on (a rollback does not train the same samples
@@ -132,14 +172,14 @@ def resume_point(
     try:
         versions = {v.version: v for v in registry.versions(agent)}
     except NotFoundError:
-        return serving, 0
+        return Resume(serving, 0)
 
     def seq(version: int) -> int:
         info = versions.get(version)
         return 0 if info is None else int((info.feedback_window or {}).get("to_seq", 0))
 
     if releases is None:
-        return serving, max((seq(v) for v in versions), default=0)
+        return Resume(serving, max((seq(v) for v in versions), default=0))
     rejected = releases.rejected(agent, set(versions))
 
     def line(version: int, stop: int | None) -> list[int] | None:
@@ -159,8 +199,21 @@ def resume_point(
     while cursor is not None and cursor in versions:
         below.append(seq(cursor))
         cursor = versions[cursor].parent
+    start, cursor_seq = serving, max(below, default=0)
     for newest in sorted((v for v in versions if v > serving), reverse=True):
         found = line(newest, serving or None)
         if found is not None and not versions[newest].payload_pruned:
-            return newest, max([seq(v) for v in found] + below, default=0)
-    return serving, max(below, default=0)
+            start, cursor_seq = newest, max([seq(v) for v in found] + below, default=0)
+            break
+
+    def attempt(version: int) -> int | None:
+        """The child of `start` that `version` descends from (None: not below `start`)."""
+        child: int | None = None
+        up: int | None = version
+        while up is not None and up != start and up in versions:
+            child, up = up, versions[up].parent
+        return child if up == start or (start == 0 and up is None) else None
+
+    failed = {c for c in map(attempt, rejected) if c is not None}
+    attempted = [seq(v) for v in versions if v > start and attempt(v) in failed]
+    return Resume(start, cursor_seq, len(failed), max(attempted, default=0))

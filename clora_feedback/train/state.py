@@ -131,6 +131,8 @@ class AgentTrainState:
         step: optimizer steps taken.
         version: adapter version these parameters were published as (or loaded from).
         baseline: running mean reward (the advantage baseline when samples have no group).
+        lr_scale: multiplies the learning rate of this agent's steps (the release path's
+            back-off after a rejected candidate, `train.lineage`).
     """
 
     agent: str
@@ -141,6 +143,7 @@ class AgentTrainState:
     step: int = 0
     version: int = 0
     baseline: float | None = None
+    lr_scale: float = 1.0
 
     @classmethod
     def create(

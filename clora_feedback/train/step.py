@@ -18,7 +18,7 @@ Not here: choosing samples (see `admission`), publishing (see `trainer`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -249,9 +249,12 @@ def train_step(
         n = state.layout.numel
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         state.step += 1
-        norm = adam_step(
-            leaf.data, grad, slot.exp_avg[:n], slot.exp_avg_sq[:n], state.step, adam_cfg
+        cfg = (
+            adam_cfg
+            if state.lr_scale == 1.0
+            else replace(adam_cfg, lr=adam_cfg.lr * state.lr_scale)
         )
+        norm = adam_step(leaf.data, grad, slot.exp_avg[:n], slot.exp_avg_sq[:n], state.step, cfg)
         slot.swap_out(leaf)
         stale = [p.staleness for p in batch.pg] or [0]
         rewards = [p.reward for p in batch.pg]
@@ -269,7 +272,7 @@ def train_step(
                 num_pairs=len(batch.pairs),
                 pref_loss=s["pref_loss"],
                 pref_ordered=s["pref_ordered"],
-                lr=adam_cfg.lr_at(state.step),
+                lr=cfg.lr_at(state.step),
                 tokens=int(s["tokens"]),
                 grad_norm=norm,
                 ratio_mean=s["ratio_mean"],

@@ -326,6 +326,8 @@ class ContinualTrainer(BackgroundTask):
         if run is not None and self.releases is None and run.state.version != active:
             self._drop(agent)  # its waiting samples are offered again from the new run's cursor
         elif run is not None and self.releases is not None:
+            if active != run.serving and active in run.chain:
+                run.state.lr_scale = 1.0  # a candidate of the line serves: the back-off ends
             run.serving = active
             rolled_back = info.activated_by == "rollback" and info.activated_at != run.moved_at
             if (
