@@ -66,6 +66,9 @@ def _slot_buffers(
         [4, 1, 3, 2],  # out of order
         [1, 0, 3, 1, 1],  # base rows, a hole in the run, uneven groups (padding)
         [9, 1, 9],  # sparse slots: gathered instead of a run
+        [2, 2, 2, 5],  # uneven groups, contiguous: one-adapter updates on runs of rows
+        [0, 0, 3, 3, 3],  # base rows and one adapter in runs
+        [4, 4, 0, 1, 6, 6, 6],  # three adapters and a base run
     ],
 )
 def test_fast_lora_update_matches_reference(
@@ -96,7 +99,23 @@ def test_fast_lora_update_on_2d_rows() -> None:
     torch.testing.assert_close(y, lora_delta_reference(x.unsqueeze(1), a, b, batch.slot_ids)[:, 0])
 
 
-SLOT_PATTERNS = [[2, 2, 2], [1, 2, 3], [1, 1, 3, 3], [3, 1, 1, 2], [1, 0, 3, 1], [7, 1, 7]]
+SLOT_PATTERNS = [
+    [2, 2, 2], [1, 2, 3], [1, 1, 3, 3], [3, 1, 1, 2], [1, 0, 3, 1], [7, 1, 7],
+    [5, 5, 5, 2], [0, 3, 3, 3], [2, 1, 1, 0, 6],
+]  # fmt: skip
+
+
+def test_few_adapters_in_uneven_groups_update_runs_of_rows() -> None:
+    """Rows of at most `_MAX_RUNS` slots, contiguous per slot, take the one-adapter update
+    per run (no padding, gather or scatter); the decoder sorts rows to make them so."""
+    assert LoRABatch.from_slots([2, 2, 2, 5]).mix_plan().runs == ((2, 0, 3), (5, 3, 4))
+    assert LoRABatch.from_slots([0, 3, 3]).mix_plan().runs == ((3, 1, 3),)
+    assert LoRABatch.from_slots([1, 2, 1, 3]).mix_plan().runs is None  # slot 1 split
+    assert LoRABatch.from_slots([1, 2, 3, 4]).mix_plan().runs is None  # in order: batched
+    assert LoRABatch.from_slots([1, 1, 2, 3, 4, 4]).mix_plan().runs is None  # four slots
+    order = LoRABatch.from_slots([2, 5, 2, 2]).slot_order()
+    assert order is not None and order.tolist() == [0, 2, 3, 1]
+    assert LoRABatch.from_slots([2, 2, 2, 5]).slot_order() is None  # already in runs
 
 
 @pytest.mark.parametrize("tokens", [1, 2])
@@ -297,8 +316,9 @@ def test_fast_paths_with_adapters_match_the_shared_decoder(model_dir: Path) -> N
     ("same_length", "dtype"),
     [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)],
 )
+@pytest.mark.parametrize("row_slots", [[3, 1, 4, 2], [3, 1, 3, 3]])  # batched; runs
 def test_mixed_adapters_in_any_row_order_match_each_adapter_alone(
-    model_dir: Path, same_length: bool, dtype: torch.dtype
+    model_dir: Path, same_length: bool, dtype: torch.dtype, row_slots: list[int]
 ) -> None:
     """A batch whose rows are not grouped by slot is decoded in slot order (rows permuted,
     the cache read in place), each adapter read only up to the batch's highest rank:
@@ -311,7 +331,7 @@ def test_mixed_adapters_in_any_row_order_match_each_adapter_alone(
         weights = random_lora_weights(model.limits, rank=4 + slot % 2 * 4, seed=10 + slot)
         model.write_slot(slot, weights)
     gen = torch.Generator().manual_seed(4)
-    rows, row_slots = [2, 0, 3, 1], [3, 1, 4, 2]  # a run of rows, neither in row nor slot order
+    rows = [2, 0, 3, 1]  # a run of rows, neither in row nor slot order
     lengths = [8] * 4 if same_length else [6, 9, 5, 12]
     prompts = [torch.randint(3, 250, (n,), generator=gen) for n in lengths]
     cache = KVCache(model.config, 4, 32, dtype, torch.device("cpu"))

@@ -29,6 +29,13 @@ CPU this streams adapter bytes ~3x faster than one dense [B, n*R] matmul
 (which repacks the whole [n*R, out] operand per call) and ~5x faster than
 gathering per-row copies.
 
+A batch of few adapters in uneven groups (a release gate's or a canary's row
+beside an agent's rows: 4 + 1) would pad every group to the largest and gather
+and scatter every projection. When the token rows form at most `_MAX_RUNS`
+contiguous runs of one slot each (the decoder sorts rows by slot to make them
+so, `LoRABatch.slot_order`), each run gets the one-adapter update on views of
+its rows instead: no padding, no gather, no scatter.
+
 Not here: slot bookkeeping, file formats.
 """
 
@@ -38,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+_MAX_RUNS = 3  # slots in use up to which contiguous runs beat the batched, padded update
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,9 @@ class _MixPlan:
         padded: [n*m] bool, true for padding entries (None when there are none).
         m: rows per slot.
         in_order: `rows` is 0..n*m-1 with no padding (token rows already grouped by slot).
+        runs: (slot, first, end) of each run of token rows of one adapter slot (slot 0
+            left out), when the rows of each slot are contiguous, the groups uneven and
+            the slots at most `_MAX_RUNS`; else None.
     """
 
     lo: int
@@ -60,6 +72,7 @@ class _MixPlan:
     padded: torch.Tensor | None
     m: int
     in_order: bool
+    runs: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def n(self) -> int:
@@ -110,18 +123,20 @@ class LoRABatch:
         """[B] order of the rows that groups them by slot, when that makes the plan in order.
 
         None when the rows share one slot, are already grouped (`mix_plan().in_order`),
-        or sorting would not help (uneven groups, base rows, gaps in the slot run: the
-        fast path gathers then anyway). A caller that reorders its rows so
-        (`reordered`) gets the in-place update, with no gather or scatter per projection.
+        or sorting would not help (uneven groups of more than `_MAX_RUNS` slots, gaps in
+        the slot run: the fast path gathers then anyway). A caller that reorders its rows
+        so (`reordered`) gets the in-place update, with no gather or scatter per projection.
         """
         if self.uniform_slot is not None:
             return None
         key = "order"
         if key not in self._memo:
             order = None
-            if not self.mix_plan().in_order:
+            plan = self.mix_plan()
+            if not plan.in_order and plan.runs is None:
                 ranked = torch.argsort(self.slot_ids, stable=True)
-                if _build_plan(self.slot_ids[ranked], 1).in_order:
+                sorted_plan = _build_plan(self.slot_ids[ranked], 1)
+                if sorted_plan.in_order or sorted_plan.runs is not None:
                     order = ranked
             self._memo[key] = order
         cached = self._memo[key]
@@ -166,6 +181,12 @@ def _build_plan(slot_ids: torch.Tensor, tokens_per_row: int) -> _MixPlan:
         group = groups.get(s, [])
         rows += group + [0] * (m - len(group))
         padded += [False] * len(group) + [True] * (m - len(group))
+    in_order = rows == list(range(len(slots) * tokens_per_row))
+    runs = None
+    if not in_order and len(used) <= _MAX_RUNS:
+        spans = [(s, g[0], g[-1] + 1) for s, g in groups.items()]
+        if all(end - first == len(groups[s]) for s, first, end in spans):
+            runs = tuple(sorted(spans, key=lambda span: span[1]))
     return _MixPlan(
         lo,
         hi,
@@ -173,7 +194,8 @@ def _build_plan(slot_ids: torch.Tensor, tokens_per_row: int) -> _MixPlan:
         torch.tensor(rows, dtype=torch.long, device=slot_ids.device),
         torch.tensor(padded, device=slot_ids.device) if any(padded) else None,
         m,
-        in_order=rows == list(range(len(slots) * tokens_per_row)),
+        in_order=in_order,
+        runs=runs,
     )
 
 
@@ -223,6 +245,11 @@ def add_lora_delta_(
         y2.addmm_(shrunk, b_slots[batch.uniform_slot].t())
         return
     plan = batch.mix_plan(x2.shape[0] // batch.slot_ids.shape[0])
+    if plan.runs is not None:  # few adapters, rows contiguous per slot: views per run
+        for slot, first, end in plan.runs:
+            shrunk = x2[first:end] @ a_slots[slot].t()
+            y2[first:end].addmm_(shrunk, b_slots[slot].t())
+        return
     a, b = _plan_slots(a_slots, plan), _plan_slots(b_slots, plan)  # [n, R, in], [n, out, R]
     if plan.in_order:  # rows already grouped by slot: no gather, accumulate in place
         shrunk = torch.bmm(x2.view(plan.n, plan.m, fan_in), a.transpose(1, 2))  # [n, m, R]
@@ -306,6 +333,28 @@ def _plan_slots(buffer: torch.Tensor, plan: _MixPlan) -> torch.Tensor:
     return buffer.index_select(0, plan.index)
 
 
+def _add_one_slot_(
+    y2: torch.Tensor,
+    x2: torch.Tensor,
+    a_slots: torch.Tensor,
+    blocks: Sequence[LoRAOutputBlock],
+    slot: int,
+    r: int,
+    targeted: int,
+) -> None:
+    """In place: `y2 += delta` of one slot's adapter for every row of `x2` [N, in]."""
+    shrunk = (x2 @ a_slots[slot, : r * targeted].t()).view(-1, r, targeted)  # [N, r, T]
+    for blk in blocks:
+        k, w = blk.members, blk.width
+        cols = y2[:, blk.column : blk.column + k * w]
+        if k == 1:
+            cols.addmm_(shrunk[:, :, blk.member], blk.bt[slot, 0, :r])
+        else:  # [k, N, r] @ [k, r, w] -> [k, N, w]
+            part = shrunk[:, :, blk.member : blk.member + k].permute(2, 0, 1)
+            update = torch.bmm(part, blk.bt[slot, :, :r])
+            cols.view(-1, k, w).add_(update.transpose(0, 1))
+
+
 def add_lora_update_(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -336,19 +385,13 @@ def add_lora_update_(
     x2 = x.reshape(-1, fan_in)
     y2 = y.view(-1, fan_out)
     if batch.uniform_slot is not None:
-        slot = batch.uniform_slot
-        shrunk = (x2 @ a_slots[slot, : r * targeted].t()).view(-1, r, targeted)  # [N, r, T]
-        for blk in blocks:
-            k, w = blk.members, blk.width
-            cols = y2[:, blk.column : blk.column + k * w]
-            if k == 1:
-                cols.addmm_(shrunk[:, :, blk.member], blk.bt[slot, 0, :r])
-            else:  # [k, N, r] @ [k, r, w] -> [k, N, w]
-                part = shrunk[:, :, blk.member : blk.member + k].permute(2, 0, 1)
-                update = torch.bmm(part, blk.bt[slot, :, :r])
-                cols.view(-1, k, w).add_(update.transpose(0, 1))
+        _add_one_slot_(y2, x2, a_slots, blocks, batch.uniform_slot, r, targeted)
         return
     plan = batch.mix_plan(x2.shape[0] // batch.slot_ids.shape[0])
+    if plan.runs is not None:  # few adapters, rows contiguous per slot: views per run
+        for slot, first, end in plan.runs:
+            _add_one_slot_(y2[first:end], x2[first:end], a_slots, blocks, slot, r, targeted)
+        return
     n, m = plan.n, plan.m
     a = _plan_slots(a_slots, plan)[:, : r * targeted]  # [n, r*T, in]
     if plan.in_order:  # rows already grouped by slot: no gather, accumulate in place
