@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -83,3 +84,42 @@ def test_a_cut_call_is_closed_by_the_gateway(
         (call,) = choice.message.tool_calls
         assert json.loads(call.function.arguments)["colour"] in ("red", "blue")
     assert 1 <= len(gateway_compiles) <= 3  # one per cut choice
+
+
+def test_a_routed_request_prefetches_its_adapter_before_the_prompt_is_built(
+    module_gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 27: a cold agent's adapter is read while its prompt is rendered and tokenised."""
+    from clora_feedback.lora.peft_io import save_peft_adapter
+    from clora_feedback.lora.weights import random_lora_weights
+
+    engine = module_gateway.engine
+    weights = random_lora_weights(engine.lora_limits, rank=4, seed=1)
+    save_peft_adapter(weights, tmp_path / "a", base_model="tiny")
+    load = {"lora_name": "prefetched", "lora_path": str(tmp_path / "a")}
+    with module_gateway.http() as http:
+        assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
+    order: list[str] = []
+    prefetch, add_requests = engine.prefetch, engine.add_requests
+
+    def prefetching(agent: str) -> None:
+        order.append(f"prefetch {agent}")
+        prefetch(agent)
+
+    def adding(requests: Any) -> Any:
+        order.append("add_requests")
+        return add_requests(requests)
+
+    monkeypatch.setattr(engine, "prefetch", prefetching)
+    monkeypatch.setattr(engine, "add_requests", adding)
+    render = chat.render_messages
+
+    def rendering(*args: Any, **kwargs: Any) -> Any:
+        order.append("render")
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "render_messages", rendering)
+    module_gateway.openai().chat.completions.create(
+        model="prefetched", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert order == ["prefetch prefetched", "render", "add_requests"], order

@@ -11,6 +11,9 @@ and what was dropped comes back bit-identical from the version directories.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,74 @@ def test_trainer_residency_drops_and_restores_bit_identical(
     finally:
         capped.close()
         free.close()
+
+
+async def _until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_prefetch_reads_a_cold_adapter_before_its_request(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The gateway prefetches as soon as a request is routed (`Serving.route`), so a cold
+    agent's directory is read while its prompt is rendered and tokenised; a prefetch is a
+    hint: unknown agents are ignored and a failed read is reported by the request."""
+    engine = EmbeddedEngine(
+        model_dir,
+        EngineConfig(max_num_seqs=2, max_loras=2, max_model_len=256, host_adapter_cache_mb=0),
+    )
+    weights = random_lora_weights(engine.lora_limits, seed=3, std=0.3)
+    for agent in ("a", "bad"):
+        save_peft_adapter(weights, tmp_path / agent, base_model="tiny")
+        engine.register_adapter(agent, 1, tmp_path / agent)
+    (tmp_path / "bad" / "adapter_model.safetensors").write_bytes(b"truncated")
+    await engine.start()
+    try:
+        engine.prefetch("a")
+        engine.prefetch("nobody")
+        await _until(lambda: engine.host_cache_stats()["reads"] == 1, "the prefetched read")
+        assert engine.adapter_weights("a") is not None
+        await _greedy(engine, "1a", "a")
+        assert engine.host_cache_stats()["reads"] == 1  # the request found it in memory
+        engine.prefetch("bad")
+        await asyncio.sleep(0.2)
+        engine.prefetch("bad")  # the failed read stays for the request to report
+        with pytest.raises(AdapterError, match="cannot be read"):
+            await engine.add_request(
+                GenerationRequest("x", "bad", [1, 2, 3], SamplingParams(max_tokens=2))
+            ).collect()
+    finally:
+        await engine.stop()
+
+
+async def test_an_overflowing_agent_waits_for_one_slot_not_a_drained_batch(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Three agents, two slots: the third agent's request starts when the short row's slot
+    frees, while the long row is still decoding."""
+    engine = EmbeddedEngine(model_dir, EngineConfig(max_num_seqs=3, max_loras=2, max_model_len=256))
+    for i, agent in enumerate(("long", "short", "late")):
+        engine.set_adapter(agent, 1, random_lora_weights(engine.lora_limits, seed=i, std=0.3))
+    await engine.start()
+    try:
+        loop = asyncio.get_running_loop()
+        first: dict[str, float] = {}
+        done: dict[str, float] = {}
+
+        async def run(agent: str, max_tokens: int) -> None:
+            sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            request = GenerationRequest(agent, agent, [1, 2, 3], sampling)
+            async for _ in engine.add_request(request):
+                first.setdefault(agent, loop.time())
+            done[agent] = loop.time()
+
+        running = [asyncio.create_task(run("long", 120)), asyncio.create_task(run("short", 4))]
+        await _until(lambda: "long" in first and "short" in first, "both rows decoding")
+        await run("late", 4)  # no slot free now: waits for the short row's slot
+        await asyncio.gather(*running)
+        assert done["short"] <= first["late"] < done["long"], (first, done)
+    finally:
+        await engine.stop()

@@ -100,6 +100,13 @@ class Engine(Protocol):
         """The version of `agent`'s adapter that new requests get, or None if it has none."""
         ...
 
+    def prefetch(self, agent: str) -> None:
+        """Start bringing `agent`'s adapter to where a request needs it, without waiting:
+        the gateway calls it as soon as a request is routed, so a cold agent's read runs
+        while the prompt is rendered and tokenised. A hint: unknown agents and failed
+        reads are reported by `add_request`, not here."""
+        ...
+
     def replica_of(self, agent: str) -> str | None:
         """Where `agent` is served: "embedded" for the in-process engine; for vLLM the URL of
         its home replica (the first of its rendezvous order that is up, where its requests

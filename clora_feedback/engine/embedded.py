@@ -412,6 +412,11 @@ class EmbeddedEngine:
     def adapter_version(self, agent: str) -> int | None:
         return self._slots.version(agent)
 
+    def prefetch(self, agent: str) -> None:
+        """Engine Protocol: a cold agent's version directory starts being read on a reader
+        thread (its host copy was dropped from the budget, or never read since start-up)."""
+        self._slots.warm(agent, hint=True)
+
     def replica_of(self, agent: str) -> str:
         """Engine Protocol: every agent lives in this process."""
         return "embedded"

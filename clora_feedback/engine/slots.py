@@ -257,8 +257,11 @@ class AdapterSlots:
 
     # -- the host cache: drop least recently used copies, read them back on demand -----
 
-    def warm(self, agent: str) -> Exception | None:
+    def warm(self, agent: str, *, hint: bool = False) -> Exception | None:
         """Start reading `agent`'s weights if they are not in host memory (any thread).
+
+        Args:
+            hint: a prefetch: a failed earlier read is left for the next request to report.
 
         Returns:
             the error of a failed earlier read (once; the next call reads again), else None.
@@ -266,6 +269,8 @@ class AdapterSlots:
         with self._lock:
             entry = self._adapters.get(agent)
             if entry is None or entry.weights is not None or entry.reading:
+                return None
+            if entry.error is not None and hint:
                 return None
             if entry.error is not None:
                 error, entry.error = entry.error, None

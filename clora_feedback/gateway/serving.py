@@ -62,7 +62,10 @@ class Serving:
         principal.check_model(body.model, route.agent)  # a refused request is no exposure
         if route.agent is None:
             return route
-        return self.agents.resolve(body.model, sticky=sticky_key(body, uuid.uuid4().hex))
+        route = self.agents.resolve(body.model, sticky=sticky_key(body, uuid.uuid4().hex))
+        if route.engine_agent is not None:  # a cold adapter is read while the prompt is built
+            self.engine.prefetch(route.engine_agent)
+        return route
 
     def start(
         self,

@@ -599,6 +599,10 @@ class VLLMEngine:
         served = self._names.live(agent)
         return None if served is None else served.version
 
+    def prefetch(self, agent: str) -> None:
+        """Engine Protocol: nothing to start; a replica loads an adapter it does not hold on
+        the request itself (from its CPU LRU, `--max-cpu-loras`, or from disk)."""
+
     def replica_of(self, agent: str) -> str | None:
         """Engine Protocol: the URL of `agent`'s home replica (`ReplicaSet.home`), or None
         before `start` or while no replica is up. A request spills over to the next replica
