@@ -53,3 +53,26 @@ def test_every_ready_agent_steps_once_per_round_and_the_order_rotates(
         assert max(waits) <= (len(AGENTS) - 1) * per_step * 1.5 + 1.0
     finally:
         world.close()
+
+
+@pytest.mark.slow  # 400 steps on the tiny model
+def test_two_hundred_ready_agents_each_step_once_a_round_within_the_bound(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    """The same rule at the scale of issue 27: 200 agents with ready batches, a few of them
+    hot (10x the feedback). Each round steps every ready agent once, the hot ones no more
+    often; the slowest wait is bounded by the round's other steps."""
+    many = [f"agent-{i:03d}" for i in range(200)]
+    hot = set(many[::50])
+    world = World(tmp_path, engine)
+    try:
+        for _ in range(2):
+            for agent in many:
+                _ready(world, agent, 8 if agent in hot else 2)
+            results = world.trainer.run_round()
+            assert sorted(r.agent for r in results) == many
+        waits = list(world.trainer.ready_waits)[-len(many) :]
+        steps = world.trainer.history[-len(many) :]
+        assert max(waits) <= sum(r.step_s for r in steps) * 1.5 + 2.0
+    finally:
+        world.close()
