@@ -181,6 +181,14 @@ class EngineConfig(BaseModel):
     )
     max_num_seqs: int = Field(16, ge=1, description="Most sequences in one decode batch.")
     max_waiting: int = Field(64, ge=0, description="Queued requests beyond the batch before 429.")
+    background_rows: int = Field(
+        1,
+        ge=1,
+        description="Embedded engine: rows the service's own evaluation traffic (the release "
+        "gate, the no-op probe) may hold while any client request runs or waits; with no "
+        "client it takes every free row. Each row added to a step slows every row of it on "
+        "a CPU, so a gate beside clients trickles (`clora bench release`, phase 4).",
+    )
     max_model_len: int = Field(2048, ge=16, description="Context window (prompt + completion).")
     max_loras: int = Field(8, ge=1, description="Adapter slots resident on the device.")
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted.")

@@ -158,10 +158,11 @@ async def test_more_agents_than_slots_and_limits(model_dir: Path) -> None:
 
 async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> None:
     """Evaluation traffic (the gate's, the probe's) queues no client behind it: with three
-    background requests ahead of three clients in a 4-row engine, one background row runs
+    background requests ahead of three clients in a 6-row engine, one background row runs
     (evaluation never starves) and the clients take the other rows at once, ahead of the
-    other background requests, which start only as rows come free."""
-    engine = _engine(model_dir)
+    other background requests, which wait while clients run (`engine.background_rows`),
+    free rows or not."""
+    engine = _engine(model_dir, max_num_seqs=6)
     await engine.start()
     try:
         prompt = engine.tokenizer.encode("The quick brown fox")
@@ -187,5 +188,14 @@ async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> Non
         first_client_done = min(done[f"client{i}"] for i in range(3))
         assert first["bg0"] <= clients_first < done["bg0"], (first, done)  # side by side
         assert first_client_done <= min(first["bg1"], first["bg2"]), (first, done)
+        # While clients run, background work holds `engine.background_rows` (1) rows;
+        # with no client it takes every free row.
+        first.clear(), done.clear()
+        alone = [
+            GenerationRequest(f"idle{i}", None, prompt, sampling(10), background=True)
+            for i in range(3)
+        ]
+        await asyncio.gather(*(run(r) for r in alone))
+        assert max(first.values()) < min(done.values()), (first, done)
     finally:
         await engine.stop()

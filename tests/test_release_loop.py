@@ -369,6 +369,13 @@ class CountingAgents:
 def test_a_refused_request_never_counts_as_canary_exposure() -> None:
     serving = Serving.__new__(Serving)
     serving.agents = CountingAgents()  # type: ignore[assignment]
+    prefetched: list[str] = []
+
+    class Engine:
+        def prefetch(self, agent: str) -> None:
+            prefetched.append(agent)
+
+    serving.engine = Engine()  # type: ignore[assignment]
 
     class Body:
         model = "a"
@@ -380,3 +387,4 @@ def test_a_refused_request_never_counts_as_canary_exposure() -> None:
     assert serving.agents.sticky == []  # type: ignore[attr-defined]
     assert serving.route(Body(), Principal(admin=True)).agent == "a"  # type: ignore[arg-type]
     assert len(serving.agents.sticky) == 1  # type: ignore[attr-defined]
+    assert prefetched == ["a"]  # only the admitted request reads its adapter

@@ -504,19 +504,21 @@ class EmbeddedEngine:
 
     def _admit(self, adapters: HostAdapters) -> None:
         """Move waiting sequences into free rows, in arrival order. Background requests
-        (the gate's, the probe's) yield to clients: while a client request waits, none
-        starts beyond the first one running (one row always advances, so evaluation never
-        starves); when none waits they take every free row, so an evaluation is over
-        soon (a batch that mixes in another adapter costs every row of it a slower step,
-        so a short burst costs clients less than a long trickle)."""
+        (the gate's, the probe's) yield to clients: while any client request runs or
+        waits, at most `engine.background_rows` of them run (at least one row always
+        advances, so evaluation never starves); with no client they take every free row,
+        so an idle server evaluates at full speed. On a CPU every row added to a step
+        slows every row of it, so beside clients evaluation trickles."""
         with self._lock:
             candidates = list(self._waiting)
         background = sum(1 for s in self._running if s.request.background)
-        clients_waiting = sum(1 for s in candidates if not s.request.background)
+        clients = sum(1 for s in self._running if not s.request.background) + sum(
+            1 for s in candidates if not s.request.background
+        )
         for seq in candidates:
             if not self._free_rows:
                 break
-            if seq.request.background and not self._background_fits(background, clients_waiting):
+            if seq.request.background and clients and background >= self.config.background_rows:
                 continue
             agent = seq.request.agent
             if agent is not None and agent not in adapters:
@@ -544,14 +546,7 @@ class EmbeddedEngine:
             self._running.append(seq)
             if seq.request.background:
                 background += 1
-            else:
-                clients_waiting -= 1
         self._running.sort(key=lambda s: s.row)
-
-    @staticmethod
-    def _background_fits(running: int, clients_waiting: int) -> bool:
-        """Whether one more background row may start, `running` of them running now."""
-        return running == 0 or clients_waiting == 0
 
     def _remove_waiting(self, seq: _Sequence) -> None:
         with self._lock:
