@@ -96,6 +96,9 @@ def test_a_few_lost_cases_against_a_perfect_serving_version_are_not_shown_worse(
 
     two = paired_verdict([-1.0] * 2 + [0.0] * 22, max_drop=0.1, confidence=0.9)
     assert two.upper < 0 and two.sign_p == 0.25 and two.outcome == "inconclusive"
+    assert two.reason(0.1, 0.9).endswith(  # the words say which rule held it back
+        "< 0 but only 2 of 2 differing cases worse (sign p 0.250 >= 0.10)"
+    )
     five = paired_verdict([-1.0] * 5 + [0.0] * 19, max_drop=0.1, confidence=0.9)
     assert five.sign_p == 1 / 32 and five.outcome == "failed"
     assert (five.worse, five.better) == (5, 0)

@@ -202,14 +202,7 @@ class OfflineGate:
                 for c, n, o in list(zip(cases, new, old, strict=True))[:3]
             ],
         }
-        bound = (
-            f"lower {cfg.confidence:.0%} bound {result.lower:+.3f} >= -{cfg.max_drop:g}"
-            if result.passed else
-            f"upper {cfg.confidence:.0%} bound {result.upper:+.3f} < 0 and {result.worse} of "
-            f"{result.worse + result.better} differing cases worse (sign p {result.sign_p:.3f})"
-            if result.outcome == "failed"
-            else f"bounds {result.lower:+.3f} < -{cfg.max_drop:g} and {result.upper:+.3f} >= 0"
-        )  # fmt: skip
+        bound = result.reason(cfg.max_drop, cfg.confidence)
         words = (
             f"v{candidate[1]} scored {evidence['candidate_mean']:.3f} against serving "
             f"v{serving[1]}'s {evidence['serving_mean']:.3f} on {len(cases)} cases; mean "

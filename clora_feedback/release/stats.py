@@ -153,6 +153,23 @@ class PairedResult:
     def passed(self) -> bool:
         return self.outcome == "passed"
 
+    def reason(self, max_drop: float, confidence: float) -> str:
+        """Why the outcome is what it is, in the words of the rule."""
+        differing = f"{self.worse} of {self.worse + self.better} differing cases worse"
+        if self.passed:
+            return f"lower {confidence:.0%} bound {self.lower:+.3f} >= -{max_drop:g}"
+        if self.outcome == "failed":
+            return (
+                f"upper {confidence:.0%} bound {self.upper:+.3f} < 0 and {differing} "
+                f"(sign p {self.sign_p:.3f})"
+            )
+        if self.upper >= 0:
+            return f"bounds {self.lower:+.3f} < -{max_drop:g} and {self.upper:+.3f} >= 0"
+        return (
+            f"lower bound {self.lower:+.3f} < -{max_drop:g}; upper {self.upper:+.3f} < 0 but "
+            f"only {differing} (sign p {self.sign_p:.3f} >= {1 - confidence:.2f})"
+        )
+
     def as_evidence(self) -> dict[str, float | int | bool | str]:
         return {
             "n": self.n,
