@@ -10,8 +10,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from clora_feedback.config import EngineConfig
+from clora_feedback.engine.decoder import KVCache, PrefillChunk
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.engine.types import GenerationRequest, RequestOutput, SamplingParams
 from clora_feedback.errors import AdapterError, ContextLengthError, NotFoundError, OverloadedError
@@ -57,6 +59,62 @@ async def test_outputs_do_not_depend_on_batch_neighbours(model_dir: Path) -> Non
         assert all(t.adapter_version == 1 for c in alone for t in c.tokens)
         assert all(t.adapter_version == 0 for c in together[1] for t in c.tokens)
         assert together[1][-1].finish_reason in ("length", "stop")
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+async def test_a_prompt_beside_decoding_rows_changes_none_of_their_tokens(
+    model_dir: Path, fuse: bool
+) -> None:
+    """A step that starts prompts while other rows decode runs both in one forward (the
+    rows as one-token chunks, `fuse_prefill`): every row's tokens and logprobs are those
+    it gets alone, with adapters mixed across the rows."""
+    engine = _engine(model_dir)
+    engine.fuse_prefill = fuse
+    forwards: list[list[int]] = []  # chunk lengths of each prefill forward
+    prefill_many = engine.model.prefill_many
+
+    def recorded(chunks: list[PrefillChunk], cache: KVCache) -> torch.Tensor:
+        forwards.append([len(c.token_ids) for c in chunks])
+        return prefill_many(chunks, cache)
+
+    engine.model.prefill_many = recorded  # type: ignore[method-assign]
+    await engine.start()
+    try:
+        for i, agent in enumerate(("a", "b")):
+            engine.set_adapter(agent, 1, random_lora_weights(engine.lora_limits, seed=i, std=0.3))
+        prompts = {
+            "long": ("a", engine.tokenizer.encode("The quick brown fox")),
+            "late": ("b", engine.tokenizer.encode("Jumps over the lazy dog, twice")),
+            "base": (None, engine.tokenizer.encode("hello")),
+        }
+
+        def request(name: str, rid: str) -> GenerationRequest:
+            agent, prompt = prompts[name]
+            sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+            return GenerationRequest(rid, agent, prompt, sampling)
+
+        alone = {n: await engine.add_request(request(n, f"{n}-alone")).collect() for n in prompts}
+        running = aiter(engine.add_request(request("long", "long")))
+        first = await anext(running)  # decoding now: the next prompts join mid-stream
+        late = [engine.add_request(request(n, n)) for n in ("late", "base")]
+
+        async def rest() -> list[RequestOutput]:
+            return [chunk async for chunk in running]
+
+        tail, *others = await asyncio.gather(rest(), *(s.collect() for s in late))
+        together = {"long": [first, *tail], "late": others[0], "base": others[1]}
+        fused = [f for f in forwards if 1 in f and max(f) > 1]  # prompts and decoding rows
+        assert bool(fused) == fuse, forwards
+        for name in prompts:
+            got, want = together[name], alone[name]
+            assert _tokens(got) == _tokens(want), name
+            torch.testing.assert_close(
+                [t.logprob for c in got for t in c.tokens],
+                [t.logprob for c in want for t in c.tokens],
+                atol=1e-4, rtol=0,
+            )  # fmt: skip
     finally:
         await engine.stop()
 

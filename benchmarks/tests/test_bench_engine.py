@@ -69,3 +69,20 @@ def test_mixed_rows_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "another adapter / same adapter" in out and "cpu" in out
     record = json.loads((tmp_path / "m.json").read_text())
     assert all(v > 0 for v in record["ratios"].values())
+
+
+def test_fused_prefill_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import fused_prefill
+
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
+    argv = ["--model", str(model_dir), "--rows", "2", "--tokens", "6", "--reps", "1"]
+    threads = torch.get_num_threads()
+    try:
+        json_path = tmp_path / "f.json"
+        assert fused_prefill.run([*argv, "--threads", "1", "--json", str(json_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "unfused / alone" in out and "cpu" in out
+    record = json.loads((tmp_path / "f.json").read_text())
+    assert all(v > 0 for v in record["ratios"].values())

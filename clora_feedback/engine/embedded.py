@@ -127,6 +127,9 @@ class EmbeddedEngine:
     # One forward for every prompt chunk of a step (`SlottedDecoder.prefill_many`); False runs
     # them one sequence at a time (the baseline of scripts/prefill_batch_profile.py).
     batch_prefill = True
+    # Decode rows ride along in a step's prefill forward (`_prefill`); False runs them in a
+    # forward of their own (the baseline of benchmarks/fused_prefill.py).
+    fuse_prefill = True
 
     def __init__(
         self, model_dir: Path, config: EngineConfig | None = None, *, model_name: str | None = None
@@ -495,10 +498,15 @@ class EmbeddedEngine:
         self._admit(adapters)
         if not self._running:
             return False
-        ready = self._prefill()
-        decoding = [s for s in self._running if not s.in_prefill and s not in ready]
-        if decoding:
-            self._decode(decoding)
+        decoding = [s for s in self._running if not s.in_prefill]
+        work = self._prefill_work()
+        if work and decoding and self.batch_prefill and self.fuse_prefill:
+            self._prefill(work, decoding)  # one forward: no second read of the weights
+        else:
+            if work:
+                self._prefill(work)
+            if decoding:
+                self._decode(decoding)
         self._steps += 1
         return True
 
@@ -552,13 +560,9 @@ class EmbeddedEngine:
         with self._lock:
             self._waiting.remove(seq)
 
-    def _prefill(self) -> list[_Sequence]:
-        """Advance prompts under the step's token budget; returns sequences that got their first token.
-
-        The chunks of every sequence in this step run as one forward
-        (`SlottedDecoder.prefill_many`), so agents that arrive together share the
-        weight reads and the bigger GEMMs.
-        """
+    def _prefill_work(self) -> list[tuple[_Sequence, int, int]]:
+        """(sequence, start, end) of the prompt chunks this step runs, under the step's
+        token budget (a sequence's cached prefix is copied into its row first)."""
         budget = self.prefill_chunk_tokens
         work: list[tuple[_Sequence, int, int]] = []
         for seq in [s for s in self._running if s.in_prefill]:
@@ -570,8 +574,21 @@ class EmbeddedEngine:
             end = min(seq.prompt_len, start + budget)
             work.append((seq, start, end))
             budget -= end - start
-        if not work:
-            return []
+        return work
+
+    def _prefill(
+        self, work: list[tuple[_Sequence, int, int]], decoding: Sequence[_Sequence] = ()
+    ) -> None:
+        """Advance prompts by `work`; a sequence whose prompt is done gets its first token.
+
+        The chunks of every sequence in this step run as one forward
+        (`SlottedDecoder.prefill_many`), so agents that arrive together share the
+        weight reads and the bigger GEMMs. `decoding` rows ride along in the same
+        forward as one-token chunks at their next position: a step that starts a
+        prompt beside running rows reads the weights once, not twice (on a CPU that
+        read is most of a decode step, so a separate prefill forward, e.g. each of a
+        release gate's cases beside an agent's rows, cost those rows a whole step).
+        """
         chunks = [
             PrefillChunk(
                 torch.tensor(seq.request.prompt_token_ids[start:end], device=self.device),
@@ -580,6 +597,15 @@ class EmbeddedEngine:
                 start,
             )
             for seq, start, end in work
+        ]
+        chunks += [
+            PrefillChunk(
+                torch.tensor([seq.last_token], device=self.device),
+                seq.row,
+                seq.slot,
+                seq.prompt_len + seq.generated - 1,
+            )
+            for seq in decoding
         ]
         if len(chunks) > 1 and self.batch_prefill:
             logits = self.model.prefill_many(chunks, self.cache)
@@ -597,9 +623,10 @@ class EmbeddedEngine:
             if not seq.in_prefill:
                 ready.append(seq)
                 first.append(i)
+        ready += decoding
+        first += range(len(work), len(work) + len(decoding))
         if ready:
             self._accept(ready, logits[first])
-        return ready
 
     def _reuse_prefix(self, seq: _Sequence) -> None:
         """Start `seq`'s prefix chain and copy its cached leading blocks into its row."""
