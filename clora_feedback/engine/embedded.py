@@ -16,16 +16,21 @@ Each step, in order:
 3. admit waiting sequences into free rows (loading their adapter into a slot,
    evicting an idle one if needed). An agent registered by its directory, or
    whose host copy the host cache dropped (`engine.host_adapter_cache_mb`), is
-   read on a reader thread as soon as its request arrives (`add_request`), and
-   its request waits for that read, then for one slot write, never for the
-   batch to drain; the rest of the batch keeps decoding meanwhile;
+   read on a reader thread as soon as its request is routed (`prefetch`) or
+   arrives (`add_request`), and its request waits for that read, then for one
+   slot write, never for the batch to drain; the rest of the batch keeps
+   decoding meanwhile. The service's own evaluation traffic (`background`
+   requests) holds at most `engine.background_rows` rows while clients are
+   served;
 4. prefill admitted prompts in chunks under a token budget, so a long prompt
    cannot stall the other rows for long; a prompt first takes its longest
    cached prefix from the prefix cache (`prefix_cache`: blocks keyed by the
    tokens and the slot's adapter identity) and prefills only the rest. Prompt
    blocks are stored as they are prefilled, a conversation's generated blocks
    when it finishes, so its next turn (and `n > 1` siblings) reuse them;
-5. decode one token for every running sequence, all agents in one batch.
+5. decode one token for every running sequence, all agents in one batch; in a
+   step that prefills, the decoding rows ride along in the prefill's forward
+   as one-token chunks (`fuse_prefill`), so the weights are read once.
 
 Not here: HTTP, chat templates, persistence, which adapter sits in which slot (see `slots`).
 """
