@@ -3,7 +3,7 @@
 A training step allocates gigabytes of activations of varying shapes and frees
 them when it ends. glibc keeps freed heap memory mapped for reuse, and the
 shapes change from step to step, so what it keeps grows: measured with
-`scripts/soak.py` (two agents serving and training SmolLM2-135M), the heap's
+`python -m benchmarks.soak` (two agents serving and training SmolLM2-135M), the heap's
 freed-but-kept memory rose from 37 MB to 2.4 GB in 8 minutes, most of the
 resident set's growth beyond the prefix cache filling to its bound.
 `trim_heap` after each training round returns those pages (`malloc_trim(0)`

@@ -29,7 +29,7 @@ prefix cache (`--prefix-cache-mb`): its hits depend on how often an agent
 repeats a prompt, which differs between 8 and 1,000 agents and would hide
 what the adapters cost.
 
-Not here: the white-box engine figures (`benchmarks/`), the soak (`scripts/soak.py`).
+Not here: the white-box engine figures (`benchmarks/`), the soak (`python -m benchmarks.soak`).
 """
 
 from __future__ import annotations

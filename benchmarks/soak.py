@@ -1,7 +1,7 @@
 """Soak: serve and train agents for a while and record where the gateway's memory goes.
 
-    python3 scripts/soak.py --agents 2 --minutes 30 --out var/soak/2-agents.jsonl
-    python3 scripts/soak.py --agents 100 --minutes 30 --out var/soak/100-agents.jsonl
+    python -m benchmarks.soak --agents 2 --minutes 30 --out var/soak/2-agents.jsonl
+    python -m benchmarks.soak --agents 100 --minutes 30 --out var/soak/100-agents.jsonl
 
 Builds `clora serve`'s service in this process (the default model unless
 `--model`), serves it on a loopback port, and runs simulated users against it
@@ -210,7 +210,7 @@ async def drive(url: str, agents: list[str], users: int, until: float, sampler: 
         rng = random.Random(index)
         while time.monotonic() < until:
             agent = rng.choices(agents, weights)[0]
-            workload = workloads[agent]
+            workload: Any = workloads[agent]  # a support or a coding workload, each with its tasks
             task = rng.choice(pools[agent])
             try:
                 episode = await workload.run_episode(
