@@ -672,15 +672,15 @@ class TrainerConfig(BaseModel):
         le=1,
         description="Release path: after the release path rejects a candidate, the line "
         "restarts from the newest good version with its learning rate times this factor per "
-        "failed attempt from that version (the same samples from the same weights would "
-        "otherwise give the same rejected candidate again).",
+        "failed attempt since the serving version (the same samples from the same weights "
+        "would otherwise give the same rejected candidate again).",
     )
     max_retries: int = Field(
         3,
         ge=0,
-        description="Release path: failed attempts from one version after which the samples "
-        "they trained on are set aside (not trained again) and the line waits for newer "
-        "feedback, still at the smallest learning rate.",
+        description="Release path: failed attempts since the serving version after which the "
+        "samples they trained on are set aside (not trained again) and the line waits for "
+        "newer feedback, still at the smallest learning rate.",
     )
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="When fresh samples make a mini-batch."

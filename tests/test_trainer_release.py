@@ -152,6 +152,35 @@ def test_a_retry_takes_a_smaller_step_and_sets_repeated_failures_aside(
     world.close()
 
 
+def test_a_retry_that_fails_again_further_down_retries_smaller_still(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    """Failed attempts count since the serving version, wherever on the line they branch
+    off, and a restarted trainer reads them from the registry."""
+    world = World(tmp_path, engine)
+    v1 = world.step()
+    world.book.record("a", v1, "passed")
+    world.book.promote("a", v1, expected_active=None, stage="gate", evidence={})
+    v2 = world.step()
+    base_lr = world.trainer.history[-1].lr
+    world.book.record("a", v2, "failed", stage="gate", evidence={})
+    v3 = world.step()  # the retry, from v1, at half the rate
+    v4 = world.step()  # the line goes on from v3 at that rate
+    assert world.registry.get("a", v4).parent == v3
+    assert world.trainer.history[-1].lr / base_lr == pytest.approx(0.5)
+    world.book.record("a", v4, "failed", stage="gate", evidence={})
+    v5 = world.step()
+    assert world.registry.get("a", v5).parent == v3
+    assert world.trainer.history[-1].lr / base_lr == pytest.approx(0.25)
+    world.close()
+    again = World(tmp_path, engine)  # a restart resumes from v5 with the same back-off
+    again.n = 100
+    v6 = again.step()
+    assert again.registry.get("a", v6).parent == v5
+    assert again.trainer.history[-1].lr / base_lr == pytest.approx(0.25)
+    again.close()
+
+
 def test_an_undecided_verdict_keeps_the_line(engine: EmbeddedEngine, tmp_path: Path) -> None:
     """`inconclusive` and `invalid` do not reject: the trainer continues from that candidate
     (only `failed` and `aborted` restart the line), and the pointer stays where it was."""

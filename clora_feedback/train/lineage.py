@@ -18,12 +18,13 @@ steps are not lost data, only lost weights). Tested in
 
 A restart backs off: the same samples from the same weights and optimizer state
 would give the same rejected candidate again (a run once reproduced one rejected
-candidate 19 times). Each failed attempt from the restart version (a child line
-of it holding a rejected version) multiplies the learning rate by
-`trainer.retry_lr_factor`; after `trainer.max_retries` failed attempts the
+candidate 19 times). Each failed attempt since the serving version (a branch off
+the line from serving to the restart version that holds a rejected version)
+multiplies the learning rate by `trainer.retry_lr_factor`, so a retry that fails
+again retries smaller still; after `trainer.max_retries` failed attempts the
 samples those attempts trained on are set aside (the cursor moves past them) and
 the line waits for newer feedback at the smallest rate. A candidate of the line
-that comes to serve resets the rate (`trainer`).
+that comes to serve resets the rate (`trainer`): attempts count from it.
 
 Without the release path a run starts from the active version, with the highest
 cursor any version trained on (a rollback does not train the same samples again).
@@ -146,8 +147,9 @@ class Resume:
     Attributes:
         version: the version to train from (0: a fresh adapter).
         seq: the reward seq cursor of that version's line (samples after it train).
-        failed_attempts: release path: child lines of `version` that hold a rejected
-            version (each one attempt to step from `version` that the release path refused).
+        failed_attempts: release path: attempts since the serving version that the release
+            path refused: branches off the line from serving to `version` that hold a
+            rejected version.
         attempted_seq: the highest reward seq those failed attempts trained on.
     """
 
@@ -206,14 +208,22 @@ def resume_point(
             start, cursor_seq = newest, max([seq(v) for v in found] + below, default=0)
             break
 
-    def attempt(version: int) -> int | None:
-        """The child of `start` that `version` descends from (None: not below `start`)."""
+    # The line from serving to `start`; a failed attempt is a branch off it (a child of
+    # one of its versions, not on it) that holds a rejected version.
+    on_line: set[int | None] = {serving or None}
+    up: int | None = start or None
+    while up is not None and up != serving and up in versions:
+        on_line.add(up)
+        up = versions[up].parent
+
+    def branch(version: int) -> int | None:
+        """The first version off the line on `version`'s way up to it (None: not below it)."""
         child: int | None = None
         up: int | None = version
-        while up is not None and up != start and up in versions:
+        while up not in on_line and up in versions:
             child, up = up, versions[up].parent
-        return child if up == start or (start == 0 and up is None) else None
+        return child if up in on_line else None
 
-    failed = {c for c in map(attempt, rejected) if c is not None}
-    attempted = [seq(v) for v in versions if v > start and attempt(v) in failed]
+    failed = {b for b in map(branch, rejected) if b is not None}
+    attempted = [seq(v) for v in versions if v > serving and branch(v) in failed]
     return Resume(start, cursor_seq, len(failed), max(attempted, default=0))
