@@ -5,6 +5,7 @@ order that rotates; the wait of each ready batch is recorded (`ready_waits`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_trainer import World
@@ -74,5 +75,33 @@ def test_two_hundred_ready_agents_each_step_once_a_round_within_the_bound(
         waits = list(world.trainer.ready_waits)[-len(many) :]
         steps = world.trainer.history[-len(many) :]
         assert max(waits) <= sum(r.step_s for r in steps) * 1.5 + 2.0
+    finally:
+        world.close()
+
+
+def test_a_stop_ends_the_round_after_its_step_and_loses_no_batch(
+    engine: EmbeddedEngine, tmp_path: Path
+) -> None:
+    """A round of many ready agents does not outlive `stop` (it went on stepping against
+    closed stores); the batches it had not reached are trained by the next run."""
+    world = World(tmp_path, engine)
+    trainer = world.trainer
+    try:
+        for agent in AGENTS[:4]:
+            _ready(world, agent, 2)
+        step = trainer._step
+
+        def step_then_stop(group: list[Any]) -> list[Any]:
+            results = step(group)
+            trainer._halt.set()  # what `stop` does, from the event loop's side
+            return results
+
+        trainer._step = step_then_stop  # type: ignore[method-assign]
+        (first,) = trainer.run_round()
+        trainer._step = step  # type: ignore[method-assign]
+        trainer._halt.clear()  # what `start` does
+        later = trainer.run_round()
+        assert sorted(r.agent for r in later) == sorted(set(AGENTS[:4]) - {first.agent})
+        assert all(r.num_sft + r.num_pg > 0 for r in later)
     finally:
         world.close()

@@ -154,6 +154,7 @@ class ContinualTrainer(BackgroundTask):
         self.history: list[StepResult] = []
         self.last_publish: dict[str, float] = {}
         self._executor: ThreadPoolExecutor | None = None
+        self._halt = threading.Event()  # set by `stop`: a round in progress ends after its step
         self.leases = leases  # None: this trainer trains every agent (one trainer in all)
         self.releases = releases  # None: every version serves at once (no release path)
         self._candidates: list[str] | None = None  # the last round's trainable agents
@@ -179,9 +180,15 @@ class ContinualTrainer(BackgroundTask):
             )
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.run_round)
 
+    async def start(self) -> None:
+        self._halt.clear()
+        await super().start()
+
     async def stop(self) -> None:
-        """Stop the loop; a round in progress finishes on its thread, then the thread ends.
+        """Stop the loop; a round in progress ends after the step it is in (the batches it
+        had not reached are offered again from their cursors), then the thread ends.
         Leases are released, so another trainer takes the agents at once."""
+        self._halt.set()
         await super().stop()
         executor, self._executor = self._executor, None
         if executor is not None:
@@ -278,6 +285,11 @@ class ContinualTrainer(BackgroundTask):
             k = self.config.batched_agents
             admitted_at = time.monotonic()
             for i in range(0, len(ready), k):
+                if self._halt.is_set():  # stopping: the rest is trained from the registry's
+                    for agent, _ in ready[i:]:  # cursors by the next run (samples not lost)
+                        self._drop(agent)
+                    log.info("trainer: stopping; %d ready batches left", len(ready) - i)
+                    break
                 waited = time.monotonic() - admitted_at
                 self.ready_waits.extend([waited] * len(ready[i : i + k]))
                 results += self._step(ready[i : i + k])
