@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -146,6 +147,31 @@ def test_trainer_residency_drops_and_restores_bit_identical(
     finally:
         capped.close()
         free.close()
+
+
+def test_trainer_residency_holds_its_cap_within_a_round(model_dir: Path, tmp_path: Path) -> None:
+    """The cap holds step by step, not only at the end of a round: a round of five ready
+    agents under a cap of two never holds more than the cap plus the agent stepping."""
+    engine = EmbeddedEngine(model_dir, EngineConfig(max_num_seqs=2, max_loras=4, max_model_len=256))
+    world = World(tmp_path, engine, max_resident_agents=2)
+    trainer = world.trainer
+    seen: list[int] = []
+    step = trainer._step
+
+    def watched(group: list[Any]) -> list[Any]:
+        seen.append(trainer.residency.resident)  # before this step restores its agent
+        return step(group)
+
+    trainer._step = watched  # type: ignore[method-assign]
+    try:
+        for _ in range(2):
+            for agent in ("a", "b", "c", "d", "e"):
+                world.serve_and_reward(agent, correction=f"the answer of {agent}")
+                world.serve_and_reward(agent, correction=f"again, the answer of {agent}")
+            assert len(trainer.run_round()) == 5
+        assert max(seen) <= 2 and trainer.residency.resident <= 2, seen
+    finally:
+        world.close()
 
 
 async def _until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
