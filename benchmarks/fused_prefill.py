@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from clora_feedback.bench.report import machine_facts
-from clora_feedback.config import DEFAULT_MODEL
+from benchmarks.shapes import add_engine_options, finish
 
 SHAPES = ("alone", "beside a trickle, fused", "beside a trickle, unfused")
 
@@ -98,15 +95,11 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, list[float]], dic
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.fused_prefill", description=__doc__)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="Base model (default: the default).")
     p.add_argument("--rows", type=int, default=4, help="The agent's decoding rows.")
     p.add_argument("--tokens", type=int, default=64, help="Tokens each row decodes.")
     p.add_argument("--prompt-tokens", type=int, default=96, help="Tokens of each trickled prompt.")
     p.add_argument("--answer-tokens", type=int, default=4, help="Tokens each trickled answer.")
-    p.add_argument("--reps", type=int, default=3, help="Measured repetitions per shape.")
-    p.add_argument("--dtype", default="auto", help="engine.dtype (float32, bfloat16, auto).")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")
-    p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    add_engine_options(p, dtype="auto")
     return p
 
 
@@ -123,16 +116,7 @@ def run(argv: list[str] | None = None) -> int:
     print("|---|---|---|")
     for shape in SHAPES:
         print(f"| {shape} | {median[shape]:.2f} | {trickled[shape]} |")
-    for name, value in ratios.items():
-        print(f"- {name}: {value:.2f}x")
-    facts = machine_facts()
-    for key, fact in facts.items():
-        print(f"- {key}: {fact}")
-    if args.json is not None:
-        record = {"seconds": seconds, "trickled": trickled, "ratios": ratios, "facts": facts,
-                  "args": vars(args)}  # fmt: skip
-        args.json.write_text(json.dumps(record, indent=2, default=str))
-    return 0
+    return finish(args, ratios, {"seconds": seconds, "trickled": trickled})
 
 
 if __name__ == "__main__":

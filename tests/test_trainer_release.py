@@ -111,6 +111,15 @@ def test_a_rejection_restarts_from_the_newest_good_candidate(
     world.close()
 
 
+def _serving_and_a_candidate(world: World) -> tuple[int, int, float]:
+    """v1 serving (gated, promoted), v2 its child candidate; and v2's learning rate."""
+    v1 = world.step()
+    world.book.record("a", v1, "passed")
+    world.book.promote("a", v1, expected_active=None, stage="gate", evidence={})
+    v2 = world.step()
+    return v1, v2, world.trainer.history[-1].lr
+
+
 def test_a_retry_takes_a_smaller_step_and_sets_repeated_failures_aside(
     engine: EmbeddedEngine, tmp_path: Path
 ) -> None:
@@ -118,11 +127,7 @@ def test_a_retry_takes_a_smaller_step_and_sets_repeated_failures_aside(
     again: each failed attempt from the restart version halves the learning rate, and
     after `max_retries` failed attempts their samples are set aside."""
     world = World(tmp_path, engine)
-    v1 = world.step()
-    world.book.record("a", v1, "passed")
-    world.book.promote("a", v1, expected_active=None, stage="gate", evidence={})
-    v2 = world.step()
-    base_lr = world.trainer.history[-1].lr
+    v1, v2, base_lr = _serving_and_a_candidate(world)
     first_window = world.registry.get("a", v2).feedback_window
     rejected, lrs = [v2], []
     for _ in range(3):
@@ -158,11 +163,7 @@ def test_a_retry_that_fails_again_further_down_retries_smaller_still(
     """Failed attempts count since the serving version, wherever on the line they branch
     off, and a restarted trainer reads them from the registry."""
     world = World(tmp_path, engine)
-    v1 = world.step()
-    world.book.record("a", v1, "passed")
-    world.book.promote("a", v1, expected_active=None, stage="gate", evidence={})
-    v2 = world.step()
-    base_lr = world.trainer.history[-1].lr
+    _, v2, base_lr = _serving_and_a_candidate(world)
     world.book.record("a", v2, "failed", stage="gate", evidence={})
     v3 = world.step()  # the retry, from v1, at half the rate
     v4 = world.step()  # the line goes on from v3 at that rate

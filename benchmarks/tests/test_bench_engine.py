@@ -7,6 +7,7 @@ Never the figures: a tiny random model on a shared CPU says nothing about speed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,34 +56,31 @@ def test_decode_profile_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "nan" not in out and "inf" not in out
 
 
+def _run_shape_bench(
+    run: Callable[[list[str]], int], tmp_path: Path, capsys: pytest.CaptureFixture[str], tokens: int
+) -> str:
+    """Run a batch-shape benchmark on the tiny model at one thread; its output."""
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
+    argv = ["--model", str(model_dir), "--rows", "2", "--tokens", str(tokens), "--reps", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert run([*argv, "--threads", "1", "--json", str(tmp_path / "r.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert all(v > 0 for v in record["ratios"].values())
+    return capsys.readouterr().out
+
+
 def test_mixed_rows_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import mixed_rows
 
-    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
-    argv = ["--model", str(model_dir), "--rows", "2", "--tokens", "3", "--reps", "1"]
-    threads = torch.get_num_threads()
-    try:
-        assert mixed_rows.run([*argv, "--threads", "1", "--json", str(tmp_path / "m.json")]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    out = _run_shape_bench(mixed_rows.run, tmp_path, capsys, tokens=3)
     assert "another adapter / same adapter" in out and "cpu" in out
-    record = json.loads((tmp_path / "m.json").read_text())
-    assert all(v > 0 for v in record["ratios"].values())
 
 
 def test_fused_prefill_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import fused_prefill
 
-    model_dir = build_tiny_model_dir(tmp_path / "tiny", seed=0, max_position_embeddings=1024)
-    argv = ["--model", str(model_dir), "--rows", "2", "--tokens", "6", "--reps", "1"]
-    threads = torch.get_num_threads()
-    try:
-        json_path = tmp_path / "f.json"
-        assert fused_prefill.run([*argv, "--threads", "1", "--json", str(json_path)]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    out = _run_shape_bench(fused_prefill.run, tmp_path, capsys, tokens=6)
     assert "unfused / alone" in out and "cpu" in out
-    record = json.loads((tmp_path / "f.json").read_text())
-    assert all(v > 0 for v in record["ratios"].values())
