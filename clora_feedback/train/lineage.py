@@ -225,5 +225,7 @@ def resume_point(
         return child if up in on_line else None
 
     failed = {b for b in map(branch, rejected) if b is not None}
+    if not failed:  # the usual case: no walk over every version
+        return Resume(start, cursor_seq)
     attempted = [seq(v) for v in versions if v > serving and branch(v) in failed]
     return Resume(start, cursor_seq, len(failed), max(attempted, default=0))
