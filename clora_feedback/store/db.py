@@ -15,7 +15,10 @@ serialisation, the schema version of a component).
 - SQLite (a filesystem path or `sqlite:///abs/path.db`): one connection guarded
   by a lock, as every store had before this seam: WAL journal, the caller's
   `synchronous`, foreign keys on; `write()` is `BEGIN IMMEDIATE ... COMMIT`, so
-  writers are serialised by SQLite itself and readers never wait for them.
+  writers are serialised by SQLite itself and readers never wait for them. A
+  writer waits for another connection's write lock outside its own lock, so the
+  two stores on one file (feedback and trajectories: the feedback store reads
+  trajectories inside its writes) cannot hold each other up until the timeout.
   `write_nowait()` is the same transaction for an event loop: begun only if no
   lock is held, on a database whose commits never fsync (`NORMAL`, checkpoints
   left to the owner's `checkpoint()`).
@@ -39,6 +42,7 @@ import functools
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -306,10 +310,40 @@ class _SQLiteDatabase:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Tx]:
-        with self._lock, self._translate("write"):
-            self._conn.execute("BEGIN IMMEDIATE")
-            with self._begun() as tx:
+        self._begin_waiting()
+        try:
+            with self._translate("write"), self._begun() as tx:
                 yield tx
+        finally:
+            self._lock.release()
+
+    def _begin_waiting(self) -> None:
+        """`BEGIN IMMEDIATE`, waiting up to the busy timeout for another connection's write
+        lock; returns holding `_lock`. The wait happens *outside* `_lock`, so this
+        connection's readers go on meanwhile: the writer we wait for may be a thread
+        that reads through this very store inside its own transaction (the feedback
+        store joins events to trajectories within its write), and SQLite's own busy
+        wait under `_lock` would stall both until the timeout ("database is locked")."""
+        deadline = time.monotonic() + self._busy_timeout_ms / 1000
+        pause = 0.001
+        while True:
+            self._lock.acquire()
+            try:
+                with self._translate("write"):
+                    if self._try_begin():
+                        return
+            except BaseException:
+                self._lock.release()
+                raise
+            self._lock.release()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreError(
+                    f"sqlite write failed ({self.display_url}): database is locked "
+                    f"(another connection held its write lock for {self._busy_timeout_ms} ms)"
+                )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
 
     @contextlib.contextmanager
     def write_nowait(self) -> Iterator[Tx | None]:
