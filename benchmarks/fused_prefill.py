@@ -1,18 +1,18 @@
 """`python -m benchmarks.fused_prefill`: what prompts started beside decoding rows cost them.
 
-A release gate (or the no-op probe, or any client that arrives) starts prompts
-while an agent's rows decode. The embedded engine runs such a step's prompt
-chunks and its decoding rows in one forward (`EmbeddedEngine.fuse_prefill`);
-without it the prompts get a forward of their own, and on a CPU the second read
-of the weights is most of a decode step. This measures an agent's `--rows`
-greedy rows decoding `--tokens` tokens each (EOS ignored) in three shapes: alone,
-beside a trickle of short background requests one at a time (a prompt of
-`--prompt-tokens` tokens from another adapter, `--answer-tokens` tokens answered,
-as the gate sends them beside clients) with fused steps, and the same trickle
-unfused. Repetitions alternate the shapes so drifting load hits each alike.
-Reported: the rows' wall seconds per shape (median), the ratios to alone, the
-trickle's requests done meanwhile, and the CPU's facts. Not a test: nothing
-asserts.
+A release gate (or the no-op probe) starts prompts while an agent's rows decode.
+The embedded engine runs such a step's prompt chunks and its decoding rows in one
+forward (`EmbeddedEngine.fuse_prefill`), and lets background requests advance
+only on a token credit while clients are served (`engine.background_tokens_per_step`).
+This measures an agent's `--rows` greedy rows decoding `--tokens` tokens each
+(EOS ignored): alone, then beside a trickle of short background requests one at a
+time (a prompt of `--prompt-tokens` tokens from another adapter, `--answer-tokens`
+tokens answered, as the gate sends them beside clients) at each credit rate of
+`--background-tokens` (`none`: no credit, background advances every step), and
+beside the same unlimited trickle unfused (a forward of its own for each prompt).
+Repetitions alternate the shapes so drifting load hits each alike. Reported: the
+rows' wall seconds per shape (median), the ratios to alone, the trickle's requests
+done meanwhile, and the CPU's facts. Not a test: nothing asserts.
 
 Not here: the gate's effect through the gateway (`clora bench release`, phase 4),
 one row of another adapter (`python -m benchmarks.mixed_rows`).
@@ -28,7 +28,23 @@ import time
 
 from benchmarks.shapes import add_engine_options, finish
 
-SHAPES = ("alone", "beside a trickle, fused", "beside a trickle, unfused")
+ALONE, UNFUSED = "alone", "beside a trickle, no credit, unfused"
+
+
+def shapes(rates: list[float | None]) -> dict[str, tuple[float | None, bool]]:
+    """Each shape's name -> (background tokens per step, None for no limit; fused)."""
+    named: dict[str, tuple[float | None, bool]] = {ALONE: (None, True)}
+    for rate in rates:
+        named[f"beside a trickle, {_rate(rate)}"] = (rate, True)
+    return named | {UNFUSED: (None, False)}
+
+
+def _rate(rate: float | None) -> str:
+    return "no credit" if rate is None else f"{rate:g} tokens/step"
+
+
+def parse_rates(text: str) -> list[float | None]:
+    return [None if part.strip() == "none" else float(part) for part in text.split(",")]
 
 
 async def measure(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, int]]:
@@ -55,11 +71,13 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, list[float]], dic
         case = engine.tokenizer.encode(words)[: args.prompt_tokens]
         rows = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
         answer = SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
-        seconds: dict[str, list[float]] = {shape: [] for shape in SHAPES}
-        trickled = dict.fromkeys(SHAPES, 0)
+        named = shapes(args.background_tokens)
+        seconds: dict[str, list[float]] = {shape: [] for shape in named}
+        trickled = dict.fromkeys(named, 0)
         for rep in range(args.reps + 1):  # the first repetition warms up
-            for shape in SHAPES:
-                engine.fuse_prefill = shape != SHAPES[2]
+            for shape, (rate, fused) in named.items():
+                engine.fuse_prefill = fused
+                engine.background_tokens_per_step = float("inf") if rate is None else rate
                 done = asyncio.Event()
 
                 async def trickle(done: asyncio.Event, shape: str, rep: int) -> int:
@@ -72,7 +90,7 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, list[float]], dic
                     return n
 
                 background = (
-                    asyncio.create_task(trickle(done, shape, rep)) if shape != SHAPES[0] else None
+                    asyncio.create_task(trickle(done, shape, rep)) if shape != ALONE else None
                 )
                 t0 = time.perf_counter()
                 streams = [
@@ -99,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=64, help="Tokens each row decodes.")
     p.add_argument("--prompt-tokens", type=int, default=96, help="Tokens of each trickled prompt.")
     p.add_argument("--answer-tokens", type=int, default=4, help="Tokens each trickled answer.")
+    p.add_argument(
+        "--background-tokens", type=parse_rates, default=[2.0, None],
+        help="Comma-separated credit rates to measure (engine.background_tokens_per_step; "
+        "`none`: no limit). Default: 2 (the default) and none.",
+    )  # fmt: skip
     add_engine_options(p, dtype="auto")
     return p
 
@@ -108,13 +131,14 @@ def run(argv: list[str] | None = None) -> int:
     seconds, trickled = asyncio.run(measure(args))
     median = {shape: statistics.median(values) for shape, values in seconds.items()}
     ratios = {
-        "rows' throughput beside the trickle, fused / alone": median[SHAPES[0]] / median[SHAPES[1]],
-        "rows' throughput beside the trickle, unfused / alone": median[SHAPES[0]]
-        / median[SHAPES[2]],
+        f"rows' throughput {shape.removeprefix('beside a trickle, ')} / alone": median[ALONE]
+        / median[shape]
+        for shape in median
+        if shape != ALONE
     }
     print(f"| shape ({args.rows} rows, {args.tokens} tokens each) | seconds (median) | trickled |")
     print("|---|---|---|")
-    for shape in SHAPES:
+    for shape in median:
         print(f"| {shape} | {median[shape]:.2f} | {trickled[shape]} |")
     return finish(args, ratios, {"seconds": seconds, "trickled": trickled})
 

@@ -244,7 +244,8 @@ async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> Non
         await asyncio.gather(*(run(r) for r in requests))
         clients_first = max(first[f"client{i}"] for i in range(3))
         first_client_done = min(done[f"client{i}"] for i in range(3))
-        assert first["bg0"] <= clients_first < done["bg0"], (first, done)  # side by side
+        # side by side: bg0 answers while the clients decode (on its token credit)
+        assert first["bg0"] <= first_client_done and clients_first < done["bg0"], (first, done)
         assert first_client_done <= min(first["bg1"], first["bg2"]), (first, done)
         # While clients run, background work holds `engine.background_rows` (1) rows;
         # with no client it takes every free row.
@@ -255,5 +256,38 @@ async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> Non
         ]
         await asyncio.gather(*(run(r) for r in alone))
         assert max(first.values()) < min(done.values()), (first, done)
+    finally:
+        await engine.stop()
+
+
+async def test_background_tokens_follow_their_credit_while_clients_run(model_dir: Path) -> None:
+    """While a client decodes, a background request advances about
+    `engine.background_tokens_per_step` tokens a step (its prompt included), so a gate's
+    cost to clients is bounded; once the client is done it runs unthrottled."""
+    engine = _engine(model_dir, max_num_seqs=4, background_tokens_per_step=0.5)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("The quick brown fox jumps")
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        client = engine.add_request(  # first: the engine thread may step in between
+            GenerationRequest("client", None, prompt, SamplingParams(max_tokens=40, **greedy))
+        )
+        background = engine.add_request(GenerationRequest(
+            "bg", None, prompt, SamplingParams(max_tokens=60, **greedy), background=True))  # fmt: skip
+        counted: list[int] = []
+
+        async def count_background() -> None:
+            async for out in background:
+                counted.append(len(out.tokens))
+
+        counter = asyncio.create_task(count_background())
+        await client.collect()
+        during = sum(counted)
+        await counter
+        # 41 client steps (a prefill, 40 decodes) earn 20.5 tokens of credit, the
+        # prompt's 5-6 tokens of them first: about 15 answer tokens (a step of slack for
+        # the stream's delivery); unthrottled it would have had 40.
+        assert 8 <= during <= 18, during
+        assert sum(counted) == 60
     finally:
         await engine.stop()

@@ -83,4 +83,4 @@ def test_fused_prefill_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[
     from benchmarks import fused_prefill
 
     out = _run_shape_bench(fused_prefill.run, tmp_path, capsys, tokens=6)
-    assert "unfused / alone" in out and "cpu" in out
+    assert "2 tokens/step / alone" in out and "unfused / alone" in out and "cpu" in out

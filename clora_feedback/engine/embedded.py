@@ -21,7 +21,8 @@ Each step, in order:
    slot write, never for the batch to drain; the rest of the batch keeps
    decoding meanwhile. The service's own evaluation traffic (`background`
    requests) holds at most `engine.background_rows` rows while clients are
-   served;
+   served, and advances on a token credit (`engine.background_tokens_per_step`),
+   so a release gate costs the clients' rows a bounded share of each step;
 4. prefill admitted prompts in chunks under a token budget, so a long prompt
    cannot stall the other rows for long; a prompt first takes its longest
    cached prefix from the prefix cache (`prefix_cache`: blocks keyed by the
@@ -135,6 +136,10 @@ class EmbeddedEngine:
     # Decode rows ride along in a step's prefill forward (`_prefill`); False runs them in a
     # forward of their own (the baseline of benchmarks/fused_prefill.py).
     fuse_prefill = True
+    # Most tokens one background prompt chunk takes while clients are served, and the
+    # most credit that accumulates: a case's prompt beyond its cached prefix in one chunk
+    # (a forward per few tokens would pay the other adapter's fixed cost each step).
+    background_chunk_tokens = 32
 
     def __init__(
         self, model_dir: Path, config: EngineConfig | None = None, *, model_name: str | None = None
@@ -196,6 +201,10 @@ class EmbeddedEngine:
         self._steps = 0
         self._generated = 0
         self._ids = itertools.count()
+        # Background tokens per step while clients are served (an attribute, so the
+        # benchmarks can set it), and the credit they accumulate (`_background_allowance`).
+        self.background_tokens_per_step = config.background_tokens_per_step
+        self._background_credit = 0.0
 
     # -- Engine Protocol: properties and lifecycle -----------------------------------
 
@@ -500,11 +509,24 @@ class EmbeddedEngine:
                 seq.chain.valid = False
         for request_id in aborts:
             self._finish_by_id(request_id, "abort")
-        self._admit(adapters)
+        clients = self._admit(adapters)
         if not self._running:
             return False
-        decoding = [s for s in self._running if not s.in_prefill]
-        work = self._prefill_work()
+        allowance = self._background_allowance(clients)
+        decoding = []
+        for seq in self._running:
+            if seq.in_prefill:
+                continue
+            if seq.request.background:
+                if allowance < 1:
+                    continue  # out of credit: the row sits this step out, its KV row kept
+                allowance -= 1
+            decoding.append(seq)
+        work, allowance = self._prefill_work(allowance)
+        if clients:
+            self._background_credit = allowance
+        if not (work or decoding):
+            return False  # only background rows, out of credit: the next step earns some
         if work and decoding and self.batch_prefill and self.fuse_prefill:
             self._prefill(work, decoding)  # one forward: no second read of the weights
         else:
@@ -515,8 +537,24 @@ class EmbeddedEngine:
         self._steps += 1
         return True
 
-    def _admit(self, adapters: HostAdapters) -> None:
-        """Move waiting sequences into free rows, in arrival order. Background requests
+    def _background_allowance(self, clients: int) -> float:
+        """Tokens background sequences may advance this step. With no client request
+        running or waiting: no limit (an idle server evaluates at full speed). Otherwise
+        the credit earned at `background_tokens_per_step` a step, kept up to one
+        background chunk: a decoding background row spends 1, a prompt chunk its tokens.
+        On a CPU a step's cost grows with its tokens beyond the weights' one read, so the
+        rate bounds what evaluation costs the clients' rows (`benchmarks/fused_prefill.py`)."""
+        if not clients:
+            return float("inf")
+        self._background_credit = min(
+            self._background_credit + self.background_tokens_per_step,
+            max(float(self.background_chunk_tokens), self.background_tokens_per_step),
+        )
+        return self._background_credit
+
+    def _admit(self, adapters: HostAdapters) -> int:
+        """Move waiting sequences into free rows, in arrival order; returns how many client
+        (not background) requests run or wait. Background requests
         (the gate's, the probe's) yield to clients: while any client request runs or
         waits, at most `engine.background_rows` of them run (at least one row always
         advances, so evaluation never starves); with no client they take every free row,
@@ -560,26 +598,37 @@ class EmbeddedEngine:
             if seq.request.background:
                 background += 1
         self._running.sort(key=lambda s: s.row)
+        return clients
 
     def _remove_waiting(self, seq: _Sequence) -> None:
         with self._lock:
             self._waiting.remove(seq)
 
-    def _prefill_work(self) -> list[tuple[_Sequence, int, int]]:
+    def _prefill_work(self, allowance: float) -> tuple[list[tuple[_Sequence, int, int]], float]:
         """(sequence, start, end) of the prompt chunks this step runs, under the step's
-        token budget (a sequence's cached prefix is copied into its row first)."""
+        token budget (a sequence's cached prefix is copied into its row first), and what is
+        left of the background `allowance`: a background prompt's chunk (at most
+        `background_chunk_tokens` while the allowance is finite) runs only when the
+        allowance covers it."""
         budget = self.prefill_chunk_tokens
         work: list[tuple[_Sequence, int, int]] = []
         for seq in [s for s in self._running if s.in_prefill]:
             if budget <= 0:
                 break
+            if seq.request.background and allowance < 1:
+                continue
             if seq.chain is None:
                 self._reuse_prefix(seq)
             start = seq.prefilled
             end = min(seq.prompt_len, start + budget)
+            if seq.request.background and allowance != float("inf"):
+                end = min(end, start + self.background_chunk_tokens)
+                if allowance < end - start:
+                    continue  # the credit grows until this chunk fits
+                allowance -= end - start
             work.append((seq, start, end))
             budget -= end - start
-        return work
+        return work, allowance
 
     def _prefill(
         self, work: list[tuple[_Sequence, int, int]], decoding: Sequence[_Sequence] = ()

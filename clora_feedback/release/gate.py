@@ -24,12 +24,14 @@ decides on the paired differences (`stats.paired_verdict`):
 Cost, bounded: at most `gate.max_cases` cases x 2 versions, each at most
 `gate.max_tokens` tokens, at most `gate.concurrency` rows in the engine at a time,
 all within `gate.timeout_s`. The requests join the same decode batches as live
-traffic (no pause of any agent) as background requests: the embedded engine starts
-none beyond one while a client request waits, and fills free rows otherwise
+traffic (no pause of any agent) as background requests: while a client request runs
+or waits, the embedded engine runs one of them, on a credit of
+`engine.background_tokens_per_step` tokens a step, and fills free rows otherwise
 (`GenerationRequest.background`); serving's answers are cached per (version, case),
 so a chain of candidates against one serving version pays for serving once.
-Measured on this box's 2 shared cores with SmolLM2-135M beside live traffic and the
-trainer (`clora bench release`): 24 cases x 2 versions in 7-17 s wall per evaluation.
+Measured on this box's 2 shared cores with SmolLM2-135M (`clora bench release`):
+another agent keeps 0.98x of its throughput while gates run back to back, and a
+full evaluation (24 cases x 2 versions) beside it takes about 60 s.
 
 Not here: which versions to judge and what follows a verdict (`controller`), loading
 the candidate into the engine (the deployer), the case split (`evalset`).
