@@ -20,9 +20,14 @@ allocation sites that grew most since the end of warm-up.
 
 The summary at the end is the soak's verdict: RSS growth over the last 20
 minutes of 30 (over the last two thirds of a shorter run), against the
-5% goal of issue 27; also between training rounds only (a sample taken while
-a step runs carries that step's activations) and without the prefix cache
-(which fills to its bound, `engine.prefix_cache_mb`, by design).
+5% goal of issue 27, as the rise of the least-squares line through the
+window's samples (`trend_pct`: the resident set swings by a gigabyte with each
+training step's activations, so two point samples say little), and also as
+first-to-last sample, as the floor (lowest sample of the window's first and
+last quarters), between training rounds only (a sample taken while a step runs
+carries that step's activations) and without the prefix cache (which fills to
+its bound, `engine.prefix_cache_mb`, by design). `--summarise JSONL` prints
+the summary of an earlier run's record.
 
 Not here: the benchmark of many agents' serving (`clora bench agents`).
 """
@@ -267,6 +272,12 @@ def growth(samples: list[dict[str, Any]], minutes: float) -> dict[str, float]:
         "rss_max_mb": max(s["rss_mb"] for s in samples),
         "growth_pct": 100.0 * (last - first) / first,
     }
+    out |= trend([(s["t_s"], s["rss_mb"]) for s in window])
+    quarter = max(1, len(window) // 4)  # the floor: what stays between training steps
+    low_first = min(s["rss_mb"] for s in window[:quarter])
+    low_last = min(s["rss_mb"] for s in window[-quarter:])
+    out["floor_mb"] = [round(low_first, 1), round(low_last, 1)]
+    out["floor_growth_pct"] = 100.0 * (low_last / low_first - 1)
     floor = [s for s in window if "rss_between_rounds_mb" in s]
     if len(floor) >= 2:  # the same, between training rounds, and without the prefix cache
         a, b = floor[0], floor[-1]
@@ -279,6 +290,30 @@ def growth(samples: list[dict[str, Any]], minutes: float) -> dict[str, float]:
     return out
 
 
+def trend(points: list[tuple[float, float]]) -> dict[str, float]:
+    """The least-squares line through (t, RSS) over the window: its rise from the
+    window's start to its end, in MB and against its start (`trend_pct`). Two point
+    samples of a resident set that swings with each training step's activations say
+    little; the fitted line is the creep."""
+    n = len(points)
+    if n < 2:
+        return {"trend_mb": 0.0, "trend_pct": 0.0}
+    mean_t = sum(t for t, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var_t = sum((t - mean_t) ** 2 for t, _ in points)
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / var_t if var_t else 0.0
+    start = mean_y + slope * (points[0][0] - mean_t)
+    rise = slope * (points[-1][0] - points[0][0])
+    return {"trend_mb": round(rise, 1), "trend_pct": 100.0 * rise / start}
+
+
+def summarise(path: Path, minutes: float) -> dict[str, Any]:
+    """The summary of a soak's JSON lines (`--summarise`), without running it again."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    samples = [line for line in lines if "t_s" in line]
+    return growth(samples, minutes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--agents", type=int, default=2)
@@ -289,7 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracemalloc", action="store_true", help="Python allocation sites")
     parser.add_argument("--model", default=None, help="default: the embedded default model")
     parser.add_argument("--out", type=Path, default=Path("var/soak/soak.jsonl"))
+    parser.add_argument("--summarise", type=Path, default=None, metavar="JSONL",
+                        help="print the summary of an earlier soak's record; run nothing")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.summarise is not None:
+        print(json.dumps({"summary": summarise(args.summarise, args.minutes)}, indent=1))
+        return 0
 
     from clora_feedback.demo.server import LocalServer
     from clora_feedback.service import build_service

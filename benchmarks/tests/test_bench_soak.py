@@ -30,3 +30,14 @@ def test_soak_samples_and_summarises(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert summary["agents"] == 2 and summary["requests"] > 0
     assert summary["rss_end_mb"] > 0 and "growth_pct" in summary
     assert '"summary"' in capsys.readouterr().out
+
+
+def test_the_verdict_is_the_trend_not_two_samples() -> None:
+    """A resident set that swings with each training step but does not creep reads flat;
+    one that creeps 10% over the window reads about 10%, whichever samples end it."""
+    swing = [(60.0 * i, 4000.0 + (900.0 if i % 2 else 0.0)) for i in range(31)]
+    flat = soak.growth([{"t_s": t, "rss_mb": y} for t, y in swing], 30)
+    assert abs(flat["trend_pct"]) < 2 and flat["floor_growth_pct"] == 0.0
+    creep = [(t, y + 0.1 * 4450.0 * max(0.0, t - 600) / 1200) for t, y in swing]
+    crept = soak.growth([{"t_s": t, "rss_mb": y} for t, y in creep], 30)
+    assert 8.0 < crept["trend_pct"] < 12.0, crept
