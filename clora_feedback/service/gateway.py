@@ -27,6 +27,7 @@ from clora_feedback.gateway.app import Component, create_app
 from clora_feedback.gateway.console import build_console_router
 from clora_feedback.gateway.feedback import build_feedback_router
 from clora_feedback.gateway.metrics import Family
+from clora_feedback.heap import TRAINING_MMAP_THRESHOLD, release_freed_memory
 from clora_feedback.release.controller import ReleaseController
 from clora_feedback.service.parts import (
     engine_settings,
@@ -188,6 +189,7 @@ def build_gateway(settings: Settings) -> Service:
     samples, releases = trainer_parts(settings, feedback, registry)  # the held-out reserve
     trainer = None
     if settings.trainer.enabled:  # the deployer installs versions: no trainer needed for that
+        release_freed_memory(TRAINING_MMAP_THRESHOLD)  # a step's activations leave on free
         trainer = ContinualTrainer(
             policy_model(settings, model, engine), samples, registry, settings.trainer,
             agents=trainable(feedback, agents.names), base_model=model.name, deployer=deployer,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from clora_feedback.config import Settings
 from clora_feedback.errors import InvalidRequestError
 from clora_feedback.feedback.kafka import FeedbackConsumer, build_consumer
+from clora_feedback.heap import TRAINING_MMAP_THRESHOLD, release_freed_memory
 from clora_feedback.lifecycle import AsyncLifecycle
 from clora_feedback.service.parts import (
     Stores,
@@ -79,6 +80,7 @@ def build_trainer_worker(settings: Settings) -> TrainerWorker:
         registry.database, owner=settings.trainer.lease_owner, ttl_s=settings.trainer.lease_ttl_s
     )
     samples, releases = trainer_parts(settings, stores.feedback, registry)
+    release_freed_memory(TRAINING_MMAP_THRESHOLD)  # a step's activations leave on free
     trainer = ContinualTrainer(
         policy_model(settings, model, None), samples, registry, settings.trainer,
         agents=trainable(stores.feedback, (lambda: configured) if configured else None),
