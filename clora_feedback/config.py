@@ -192,10 +192,10 @@ class EngineConfig(BaseModel):
     background_tokens_per_step: float = Field(
         2.0,
         gt=0,
-        description="Embedded engine: while any client request runs or waits, the service's "
-        "own evaluation advances at most this many tokens per engine step on average "
-        "(prompt and answer tokens alike; credit accumulates up to one 32-token prompt "
-        "chunk). A step's cost on a CPU grows with its tokens, so this bounds what a release "
+        description="Embedded engine: while any client request runs, the service's own "
+        "evaluation advances at most this many tokens per engine step on average (prompt "
+        "and answer tokens alike; credit accumulates up to one 32-token prompt chunk; no "
+        "limit while a client waits for a row that only evaluation rows could free). A step's cost on a CPU grows with its tokens, so this bounds what a release "
         "gate costs other agents: at 2.0 a busy agent kept 0.98x of its throughput while "
         "gates ran back to back (`clora bench release`), 0.93x beside a continuous trickle "
         "of 96-token prompts (`python -m benchmarks.fused_prefill`), and a full evaluation "

@@ -509,9 +509,14 @@ class EmbeddedEngine:
                 seq.chain.valid = False
         for request_id in aborts:
             self._finish_by_id(request_id, "abort")
-        clients = self._admit(adapters)
+        blocked = self._admit(adapters)
         if not self._running:
             return False
+        # Credit protects running clients' steps; a client waiting for a row that a
+        # background request holds (admitted while the server was idle) is better served
+        # by letting that request finish at full speed.
+        serving = any(not s.request.background for s in self._running)
+        clients = serving and not (blocked and not self._free_rows)
         allowance = self._background_allowance(clients)
         decoding = []
         for seq in self._running:
@@ -537,9 +542,9 @@ class EmbeddedEngine:
         self._steps += 1
         return True
 
-    def _background_allowance(self, clients: int) -> float:
+    def _background_allowance(self, clients: bool) -> float:
         """Tokens background sequences may advance this step. With no client request
-        running or waiting: no limit (an idle server evaluates at full speed). Otherwise
+        running (or one waiting for a row while none is free): no limit. Otherwise
         the credit earned at `background_tokens_per_step` a step, kept up to one
         background chunk: a decoding background row spends 1, a prompt chunk its tokens.
         On a CPU a step's cost grows with its tokens beyond the weights' one read, so the
@@ -554,7 +559,7 @@ class EmbeddedEngine:
 
     def _admit(self, adapters: HostAdapters) -> int:
         """Move waiting sequences into free rows, in arrival order; returns how many client
-        (not background) requests run or wait. Background requests
+        (not background) requests still wait. Background requests
         (the gate's, the probe's) yield to clients: while any client request runs or
         waits, at most `engine.background_rows` of them run (at least one row always
         advances, so evaluation never starves); with no client they take every free row,
@@ -598,7 +603,8 @@ class EmbeddedEngine:
             if seq.request.background:
                 background += 1
         self._running.sort(key=lambda s: s.row)
-        return clients
+        with self._lock:
+            return sum(1 for s in self._waiting if not s.request.background)
 
     def _remove_waiting(self, seq: _Sequence) -> None:
         with self._lock:
