@@ -41,6 +41,7 @@ import ctypes.util
 import gc
 import json
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -295,15 +296,12 @@ def trend(points: list[tuple[float, float]]) -> dict[str, float]:
     window's start to its end, in MB and against its start (`trend_pct`). Two point
     samples of a resident set that swings with each training step's activations say
     little; the fitted line is the creep."""
-    n = len(points)
-    if n < 2:
+    if len(points) < 2:
         return {"trend_mb": 0.0, "trend_pct": 0.0}
-    mean_t = sum(t for t, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    var_t = sum((t - mean_t) ** 2 for t, _ in points)
-    slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / var_t if var_t else 0.0
-    start = mean_y + slope * (points[0][0] - mean_t)
-    rise = slope * (points[-1][0] - points[0][0])
+    times, rss = zip(*points, strict=True)
+    slope, intercept = statistics.linear_regression(times, rss)
+    start = intercept + slope * times[0]
+    rise = slope * (times[-1] - times[0])
     return {"trend_mb": round(rise, 1), "trend_pct": 100.0 * rise / start}
 
 
