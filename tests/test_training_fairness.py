@@ -4,6 +4,7 @@ order that rotates; the wait of each ready batch is recorded (`ready_waits`)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,24 @@ def test_two_hundred_ready_agents_each_step_once_a_round_within_the_bound(
     hot = set(many[::50])
     world = World(tmp_path, engine)
     try:
+        orders = []
         for _ in range(2):
             for agent in many:
                 _ready(world, agent, 8 if agent in hot else 2)
+            began = time.monotonic()
             results = world.trainer.run_round()
-            assert sorted(r.agent for r in results) == many
-        waits = list(world.trainer.ready_waits)[-len(many) :]
-        steps = world.trainer.history[-len(many) :]
-        assert max(waits) <= sum(r.step_s for r in steps) * 1.5 + 2.0
+            elapsed = time.monotonic() - began
+            order = [r.agent for r in results]
+            assert sorted(order) == many  # once each, the hot ones no more often
+            orders.append(order)
+            # The bound, counted in steps (a wall-clock bound on shared cores flaked: 6.3 s
+            # against 5.2 once): a batch ready at admission waits for at most the R - 1
+            # other steps of its round, and its recorded wait grows with its place.
+            waits = list(world.trainer.ready_waits)[-len(many) :]
+            assert waits == sorted(waits)
+            assert max(waits) <= elapsed
+        assert orders[0][0] != orders[1][0]  # the rotation moves who goes first
+        assert orders[1] == orders[0][1:] + orders[0][:1]  # by one agent a round
     finally:
         world.close()
 
