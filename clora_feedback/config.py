@@ -833,7 +833,8 @@ class RetentionConfig(BaseModel):
     probe: bool = Field(
         True,
         description="Run the no-op probe on each newly served adapter version (a few greedy "
-        "tokens on fixed prompts, compared with the base model's; flags `noop`).",
+        "tokens on fixed prompts, compared with the base model's: the same tokens at the same "
+        "logprobs flag `noop`).",
     )
 
 

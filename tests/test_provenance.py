@@ -230,6 +230,10 @@ def test_runtime_route_refuses_another_base_with_400(
         assert deployer.serving("a") == 1
 
 
+SUBTLE = 0.01
+"""LoRA factor std that moves the tiny model's probe logprobs but none of its greedy tokens."""
+
+
 async def test_probe_flags_a_noop_adapter_and_not_a_real_one(
     tmp_path: Path, tiny_model_dir: Path, served: BaseIdentity
 ) -> None:
@@ -253,9 +257,17 @@ async def test_probe_flags_a_noop_adapter_and_not_a_real_one(
         _publish(registry, real, 1)
         await deployer.reconcile()
         await probe.idle()
-        first, second = registry.versions("a")
+        # A small real change: the base's greedy words at other probabilities (an agent
+        # trained on its own domain answers generic prompts so) is no no-op.
+        _publish(registry, random_lora_weights(eng.lora_limits, rank=4, seed=2, std=SUBTLE), 2)
+        await deployer.reconcile()
+        await probe.idle()
+        first, second, third = registry.versions("a")
         assert first.noop is True and second.noop is False
         assert first.probe is not None and first.probe["prompts"] == 4
+        assert first.probe["max_logprob_change"] <= probe.tolerance
+        assert third.probe is not None and third.probe["same_tokens"] is True, third.probe
+        assert third.noop is False and third.probe["max_logprob_change"] > probe.tolerance
         started = time.perf_counter()
         assert await probe.probe("a", 2) is None  # probed once, never again
         print(f"probe: {first.probe['seconds']:.3f} s (base outputs included), "

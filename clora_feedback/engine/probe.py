@@ -8,7 +8,10 @@ background task, off the request path: a few fixed prompts, greedy, a handful
 of tokens, once through the base model (cached per process) and once through
 the agent's adapter, through the engine's own queue like any request (so it
 costs `prompts x max_tokens` decode rows, measured in `seconds`). A version
-whose every output equals the base's is flagged `noop`; the result is recorded
+whose every output equals the base's, token for token and each token's logprob
+within `tolerance`, is flagged `noop` (the greedy tokens alone flagged an agent
+trained on its own domain: it answers generic prompts with the base's words,
+at other probabilities); the result is recorded
 once in the registry (`AdapterRegistry.record_probe`: `probe` on the version,
 shown by `GET /v1/adapters/{agent}/versions` as `noop` and `probe`) and a
 warning is logged. It only flags: a no-op version still serves.
@@ -26,6 +29,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from clora_feedback.engine.base import Engine
@@ -34,6 +38,16 @@ from clora_feedback.errors import CloraError, NotFoundError
 from clora_feedback.store.versions import AdapterStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Output:
+    """One prompt's greedy tokens, their logprobs and the adapter version of each."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
 
 PROBE_PROMPTS = (
     "Hello! How can I help you today?",
@@ -52,6 +66,8 @@ class NoopProbe:
         registry: where the result is recorded.
         prompts: the probe prompts.
         max_tokens: greedy tokens per prompt.
+        tolerance: the largest logprob change of a token that still counts as none (the
+            same adapter-free rows in batches of other shapes differ by rounding).
         wait_s: how long to wait for the version's registry row (a runtime load serves
             the version a moment before its row commits).
     """
@@ -63,14 +79,16 @@ class NoopProbe:
         *,
         prompts: tuple[str, ...] = PROBE_PROMPTS,
         max_tokens: int = 4,
+        tolerance: float = 0.02,
         wait_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.registry = registry
         self.prompts = prompts
         self.max_tokens = max_tokens
+        self.tolerance = tolerance
         self.wait_s = wait_s
-        self._base: list[list[int]] | None = None
+        self._base: list[_Output] | None = None
         self._queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.results: dict[tuple[str, int], dict[str, Any]] = {}
@@ -112,13 +130,21 @@ class NoopProbe:
             return None
         started = time.perf_counter()
         if self._base is None:
-            self._base = [tokens for tokens, _ in await self._outputs(None)]
+            self._base = await self._outputs(None)
         outputs = await self._outputs(agent)
-        if any(v != version for _, versions in outputs for v in versions):
+        if any(v != version for out in outputs for v in out.versions):
             return None  # another version served part of it
-        noop = [tokens for tokens, _ in outputs] == self._base
+        same_tokens = [o.tokens for o in outputs] == [b.tokens for b in self._base]
+        change = max(
+            (abs(a - b) for o, base in zip(outputs, self._base, strict=True)
+             for a, b in zip(o.logprobs, base.logprobs, strict=False)),
+            default=0.0,
+        )  # fmt: skip
+        noop = same_tokens and change <= self.tolerance
         result = {
             "noop": noop,
+            "same_tokens": same_tokens,
+            "max_logprob_change": round(change, 6),
             "prompts": len(self.prompts),
             "tokens": self.max_tokens,
             "seconds": round(time.perf_counter() - started, 4),
@@ -128,8 +154,11 @@ class NoopProbe:
         self.counts["noop" if noop else "changed"] += 1
         await asyncio.to_thread(self.registry.record_probe, agent, version, result)
         if noop:
-            log.warning("agent %s: version %d answers the %d probe prompts exactly like the "
-                        "base model (a no-op adapter?)", agent, version, len(self.prompts))  # fmt: skip
+            log.warning(
+                "agent %s: version %d answers the %d probe prompts exactly like the base "
+                "model, every token's logprob within %.3g (a no-op adapter?)",
+                *(agent, version, len(self.prompts), self.tolerance),
+            )
         return result
 
     async def _unprobed(self, agent: str, version: int) -> bool:
@@ -144,12 +173,12 @@ class NoopProbe:
                 continue
             return info.probe is None
 
-    async def _outputs(self, agent: str | None) -> list[tuple[list[int], list[int]]]:
-        """(greedy token ids, their adapter versions) per prompt, through `agent`; the
-        prompts go in together, so the engine batches them (one decode row each)."""
+    async def _outputs(self, agent: str | None) -> list[_Output]:
+        """The greedy output of each prompt through `agent`; the prompts go in together,
+        so the engine batches them (one decode row each)."""
         return list(await asyncio.gather(*(self._greedy(agent, p) for p in self.prompts)))
 
-    async def _greedy(self, agent: str | None, prompt: str) -> tuple[list[int], list[int]]:
+    async def _greedy(self, agent: str | None, prompt: str) -> _Output:
         request = GenerationRequest(
             request_id=f"probe-{uuid.uuid4().hex}",
             agent=agent,
@@ -157,9 +186,9 @@ class NoopProbe:
             sampling=SamplingParams(max_tokens=self.max_tokens, temperature=0.0),
             background=True,
         )
-        tokens: list[int] = []
-        versions: list[int] = []
+        out = _Output([], [], [])
         async for chunk in self.engine.add_request(request):
-            tokens += [t.token_id for t in chunk.tokens]
-            versions += [t.adapter_version for t in chunk.tokens]
-        return tokens, versions
+            out.tokens.extend(t.token_id for t in chunk.tokens)
+            out.logprobs.extend(t.logprob for t in chunk.tokens)
+            out.versions.extend(t.adapter_version for t in chunk.tokens)
+        return out
