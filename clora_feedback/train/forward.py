@@ -354,15 +354,16 @@ class _Stream:
 
         Each prefix copy attends causally to itself; each row attends to its run's
         prefix copy and causally to its own tokens (right padding is never seen by a
-        real token). On a CPU attention computes in fp32 whatever the compute dtype.
+        real token). Softmaxes are fp32 in every compute dtype.
         """
         c = base.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         out_dtype = qk.dtype
-        if qk.device.type == "cpu" and out_dtype != torch.float32:
-            # torch's CPU flash attention runs 2x slower forward and backward in bf16 than
-            # in fp32 at these sizes (a third of a bf16 step), and q, k, v are small.
-            qk, v = qk.float(), v.float()
+        # torch's CPU flash attention runs 2x slower forward and backward in bf16 than in
+        # fp32 at these sizes, so it computes in fp32 whatever the compute dtype; the rows'
+        # attention to a shared prefix (`prefixed_attention`, plain matmuls) stays in the
+        # compute dtype, where a bf16 matmul is 2-3x an fp32 one.
+        fp32 = qk.device.type == "cpu" and out_dtype != torch.float32
         q, k = qk.split([heads, kv], dim=1)
         v = v.view(-1, kv, d)
 
@@ -373,17 +374,20 @@ class _Stream:
         def back(x: torch.Tensor) -> torch.Tensor:  # [n, H, len, D] -> [n*len, H*D]
             return x.transpose(1, 2).reshape(-1, heads * d)
 
+        def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if fp32:
+                q, k, v = q.float(), k.float(), v.float()
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return back(out).to(out_dtype)
+
         if not self.prefix:
-            q, k, v = (rows_of(x, self.rows, self.width) for x in (q, k, v))
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return back(attn).to(out_dtype)
+            return flash(*(rows_of(x, self.rows, self.width) for x in (q, k, v)))
         n, p, w = self.copies, self.prefix, self.width
         (q_p, q_r), (k_p, k_r), (v_p, v_r) = (x.split([n * p, self.rows * w]) for x in (q, k, v))
         q_p, k_p, v_p = (rows_of(x, n, p) for x in (q_p, k_p, v_p))
         q_r, k_r, v_r = (rows_of(x, self.rows, w) for x in (q_r, k_r, v_r))
-        attn_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
         attn = prefixed_attention(q_r, k_p, v_p, k_r, v_r, self.run_rows)
-        return torch.cat([back(attn_p), back(attn)]).to(out_dtype)
+        return torch.cat([flash(q_p, k_p, v_p), back(attn)])
 
     def scored(self, mask: torch.Tensor) -> torch.Tensor:
         """Stream index of each scored position of `mask` [B, T] (row-major)."""
@@ -419,9 +423,8 @@ def prefixed_attention(
     b, heads, w, d = q.shape
     kv, p = k.shape[1], k_prefix.shape[2]
     g = heads // kv  # query head h reads kv head h // g
-    scale = d**-0.5
-    q = q.reshape(b, kv, g * w, d)  # [B, K, g*w, D]: row i*w + t is head j*g + i, position t
-    own = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, K, g*w, w]
+    q = q.reshape(b, kv, g * w, d) * d**-0.5  # row i*w + t: head j*g + i, position t
+    own = torch.matmul(q, k.transpose(2, 3))  # [B, K, g*w, w]
     future = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)
     own = own.masked_fill(future, float("-inf"))
     outs = []
@@ -437,9 +440,11 @@ def prefixed_attention(
     for q_i, own_i, v_i, kp_i, vp_i in parts:
         n = q_i.shape[0]
         stacked = q_i.transpose(0, 1).reshape(kv, n * g * w, d)  # every row of the run at once
-        pre = torch.bmm(stacked, kp_i.transpose(1, 2)) * scale  # [K, n*g*w, P]
+        pre = torch.bmm(stacked, kp_i.transpose(1, 2))  # [K, n*g*w, P]
         pre = pre.view(kv, n, g * w, p).transpose(0, 1)
-        probs = torch.softmax(torch.cat([pre, own_i], dim=-1), dim=-1)
+        # the softmax in fp32 whatever the compute dtype, its probabilities back in it
+        scores = torch.cat([pre, own_i], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
         probs_pre, probs_own = probs.split([p, w], dim=-1)
         from_pre = torch.bmm(probs_pre.transpose(0, 1).reshape(kv, n * g * w, p), vp_i)
         outs.append(from_pre.view(kv, n, g * w, d).transpose(0, 1) + probs_own @ v_i)

@@ -1,0 +1,106 @@
+"""Where a training step's time goes, fp32 against bf16 compute: torch's profiler per op.
+
+Builds the batch `benchmarks.precision` steps on (support-triage rows of the default
+model, one sampled first token each, rewards from the simulated operator), then runs
+`train_step` in each compute dtype, alternated: `--warm` unprofiled steps, then
+`--reps` timed ones (the median wall), then one step under `torch.profiler`. Prints,
+per dtype, the ops by self CPU time (the top `--top`), and the share of the step in
+the big GEMMs (`aten::mm`/`addmm`/`bmm`/`linear`'s kernels) against everything else.
+
+    python3 scripts/train_step_profile.py [--tickets 8] [--reps 3] [--top 25]
+
+Not a test: nothing here asserts. Not a benchmark either (`python -m benchmarks.precision`
+reports the step ratio): this says which ops to look at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.precision import Task, _identity, rollout
+from clora_feedback.bench.report import format_facts, machine_facts
+from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES
+from clora_feedback.model.resolve import resolve_model_dir
+from clora_feedback.train.loss import LossConfig
+from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
+from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot
+from clora_feedback.train.step import AgentBatch, PGSample, train_step
+
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_mkldnn_", "mkldnn", "aten::matmul")
+
+
+def _step(policy: DecoderPolicy, samples: list[PGSample], rank: int) -> float:
+    state = AgentTrainState.create("x", *_identity(policy, rank))
+    slot = TrainingSlot(state.layout.numel, policy.device)
+    t0 = time.perf_counter()
+    train_step(policy, [slot], [AgentBatch(state, samples)], LossConfig(), AdamConfig(lr=1e-3))
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model-cache", type=Path, default=Path("var/models"))
+    p.add_argument("--tickets", type=int, default=8)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--warm", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--shapes", action="store_true", help="also the GEMMs by input shape")
+    args = p.parse_args()
+    model_dir = resolve_model_dir(args.model, args.model_cache)
+    policies = {
+        name: DecoderPolicy.from_dir(
+            model_dir, max_lora_rank=args.rank, target_modules=DEFAULT_TARGET_MODULES, dtype=dt
+        )
+        for name, dt in COMPUTE_DTYPES.items()
+    }
+    p32 = policies["float32"]
+    task = Task.build(p32, seed=0, train=args.tickets, held_out=1)
+    samples = rollout(
+        p32,
+        AgentTrainState.create("x", *_identity(p32, args.rank)),
+        task.train,
+        task,
+        torch.Generator().manual_seed(0),
+    )
+    for policy in policies.values():
+        for _ in range(args.warm):
+            _step(policy, samples, args.rank)
+    walls: dict[str, list[float]] = {name: [] for name in policies}
+    for i in range(args.reps):
+        for name in list(policies) if i % 2 == 0 else list(policies)[::-1]:
+            walls[name].append(_step(policies[name], samples, args.rank))
+    medians = {name: statistics.median(w) for name, w in walls.items()}
+    for name, policy in policies.items():
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
+            _step(policy, samples, args.rank)
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        gemm = sum(e.self_cpu_time_total for e in events if e.key.startswith(GEMMS))
+        print(f"\n## {name}: step median {medians[name]:.3f} s over {args.reps}")
+        print(f"GEMM ops {gemm / total:.0%} of self CPU time, the rest {1 - gemm / total:.0%}")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+        if args.shapes:
+            by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in GEMMS]
+            by_shape.sort(key=lambda e: -e.self_cpu_time_total)
+            for e in by_shape[: args.top]:
+                print(
+                    f"{e.key:12s} {e.count:5d} x {e.self_cpu_time_total / 1e3 / e.count:8.3f} ms"
+                    f" = {e.self_cpu_time_total / 1e3:8.1f} ms  {e.input_shapes}"
+                )
+    ratio = medians["float32"] / medians["bfloat16"]
+    print(f"\nbf16 step vs fp32: {ratio:.2f}x")
+    facts = machine_facts()
+    facts["cpu capability (torch)"] = torch.backends.cpu.get_cpu_capability()
+    print(format_facts(facts))
+
+
+if __name__ == "__main__":
+    main()
