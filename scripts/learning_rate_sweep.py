@@ -84,7 +84,7 @@ async def held_out_accuracy(
     engine: EmbeddedEngine, family: Family, prompts: list[Prompt], agent: str | None
 ) -> float:
     answers = await greedy(engine, family, prompts, agent, f"eval-{agent}")
-    replies = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
+    replies = [str(engine.tokenizer.decode(ids, skip_special_tokens=True)) for ids in answers]
     return sum(family.correct(p, r) for p, r in zip(prompts, replies, strict=True)) / len(prompts)
 
 
@@ -129,7 +129,7 @@ async def sweep(args: argparse.Namespace) -> None:
                         engine.set_adapter("sweep", 10_000 + step, layout.to_weights(state.params))
                         outputs = await greedy(engine, family, chosen, "sweep", f"pairs-{step}")
                         for p, sample, ids in zip(chosen, fresh, outputs, strict=True):
-                            reply = engine.tokenizer.decode(ids, skip_special_tokens=True)
+                            reply = str(engine.tokenizer.decode(ids, skip_special_tokens=True))
                             if ids and not family.correct(p, reply):
                                 batch.pairs.append(
                                     PreferencePair(sample.prompt_ids, sample.target_ids, ids)
