@@ -7,7 +7,7 @@ model, one sampled first token each, rewards from the simulated operator), then 
 per dtype, the ops by self CPU time (the top `--top`), and the share of the step in
 the big GEMMs (`aten::mm`/`addmm`/`bmm`/`linear`'s kernels) against everything else.
 
-    python3 scripts/train_step_profile.py [--tickets 8] [--reps 3] [--top 25]
+    python3 -m scripts.train_step_profile [--tickets 8] [--reps 3] [--top 25] [--shapes]
 
 Not a test: nothing here asserts. Not a benchmark either (`python -m benchmarks.precision`
 reports the step ratio): this says which ops to look at.
@@ -16,9 +16,11 @@ reports the step ratio): this says which ops to look at.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,12 +37,19 @@ from clora_feedback.train.step import AgentBatch, PGSample, train_step
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_mkldnn_", "mkldnn", "aten::matmul")
 
 
-def _step(policy: DecoderPolicy, samples: list[PGSample], rank: int) -> float:
+def _step(policy: DecoderPolicy, samples: list[PGSample], rank: int, prof: Any = None) -> float:
+    """One swap step on a fresh adapter: its wall seconds (under `prof`, only the step)."""
     state = AgentTrainState.create("x", *_identity(policy, rank))
     slot = TrainingSlot(state.layout.numel, policy.device)
-    t0 = time.perf_counter()
-    train_step(policy, [slot], [AgentBatch(state, samples)], LossConfig(), AdamConfig(lr=1e-3))
-    return time.perf_counter() - t0
+    batch, loss, adam = [AgentBatch(state, samples)], LossConfig(), AdamConfig(lr=1e-3)
+    with prof if prof is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        train_step(policy, [slot], batch, loss, adam)
+        return time.perf_counter() - t0
+
+
+def _is_gemm(key: str) -> bool:
+    return key.startswith(GEMMS)
 
 
 def main() -> None:
@@ -79,16 +88,16 @@ def main() -> None:
             walls[name].append(_step(policies[name], samples, args.rank))
     medians = {name: statistics.median(w) for name, w in walls.items()}
     for name, policy in policies.items():
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
-            _step(policy, samples, args.rank)
+        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes)
+        _step(policy, samples, args.rank, prof)
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
-        gemm = sum(e.self_cpu_time_total for e in events if e.key.startswith(GEMMS))
+        gemm = sum(e.self_cpu_time_total for e in events if _is_gemm(e.key))
         print(f"\n## {name}: step median {medians[name]:.3f} s over {args.reps}")
         print(f"GEMM ops {gemm / total:.0%} of self CPU time, the rest {1 - gemm / total:.0%}")
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
         if args.shapes:
-            by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in GEMMS]
+            by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if _is_gemm(e.key)]
             by_shape.sort(key=lambda e: -e.self_cpu_time_total)
             for e in by_shape[: args.top]:
                 print(

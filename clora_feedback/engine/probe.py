@@ -49,6 +49,13 @@ class _Output:
     versions: list[int]
 
 
+def _logprob_change(output: _Output, base: _Output) -> float:
+    """The largest logprob difference of two outputs, position by position (over the
+    shorter one: outputs of different lengths differ in their tokens already)."""
+    pairs = zip(output.logprobs, base.logprobs, strict=False)
+    return max((abs(a - b) for a, b in pairs), default=0.0)
+
+
 PROBE_PROMPTS = (
     "Hello! How can I help you today?",
     "The capital of France is",
@@ -135,11 +142,8 @@ class NoopProbe:
         if any(v != version for out in outputs for v in out.versions):
             return None  # another version served part of it
         same_tokens = [o.tokens for o in outputs] == [b.tokens for b in self._base]
-        change = max(
-            (abs(a - b) for o, base in zip(outputs, self._base, strict=True)
-             for a, b in zip(o.logprobs, base.logprobs, strict=False)),
-            default=0.0,
-        )  # fmt: skip
+        pairs = zip(outputs, self._base, strict=True)
+        change = max((_logprob_change(o, base) for o, base in pairs), default=0.0)
         noop = same_tokens and change <= self.tolerance
         result = {
             "noop": noop,
