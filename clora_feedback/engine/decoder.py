@@ -135,7 +135,7 @@ class _DecodeStep:
             layer's cache viewed as [rows*K*max_len, D].
         rows: the cache rows; `run` is its first row when they are consecutive.
         span: cache positions any row attends to.
-        bias: [B*K, 1, span] additive mask (-inf past each row's position, rows in
+        mask: [B, 1, 1, span] True where a row attends (up to its own position; rows in
             cache order when `to_run` is set), or None when every row is at the same position.
         to_run, from_run: when the rows are a consecutive run in another order (the
             batch sorted by adapter slot, see `SlottedDecoder.decode`): batch entry of each
@@ -148,7 +148,7 @@ class _DecodeStep:
     rows: torch.Tensor
     run: int | None
     span: int
-    bias: torch.Tensor | None
+    mask: torch.Tensor | None
     num_heads: int
     to_run: torch.Tensor | None = None
     from_run: torch.Tensor | None = None
@@ -174,14 +174,13 @@ class _DecodeStep:
         if run is not None and rows != list(range(run, run + b)):
             from_run = row_index - run
             to_run = torch.argsort(from_run)
-        bias = None
+        mask = None
         if min(pos) != span - 1:
             attending = positions if to_run is None else positions[to_run]
-            beyond = torch.arange(span, device=device).unsqueeze(0) > attending.unsqueeze(1)
-            bias = torch.zeros(b, span, dtype=torch.float32, device=device)
-            bias = bias.masked_fill_(beyond, float("-inf")).repeat_interleave(kv, 0).unsqueeze(1)
+            mask = torch.arange(span, device=device).unsqueeze(0) <= attending.unsqueeze(1)
+            mask = mask.view(b, 1, 1, span)
         return cls(
-            cos, sin, offsets.view(-1), row_index, run, span, bias, c.num_heads, to_run, from_run
+            cos, sin, offsets.view(-1), row_index, run, span, mask, c.num_heads, to_run, from_run
         )
 
     def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -205,17 +204,17 @@ class _DecodeStep:
         return self._attend(q, keys, values)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """q [B, H, D], keys/values [B, K, span, D] of the same rows -> [B, H*D]."""
+        """q [B, H, D], keys/values [B, K, span, D] of the same rows -> [B, H*D].
+
+        torch's fused attention reads the cache views in place (a `bmm` would first copy
+        each layer's keys and values out of the wider cache) and keeps the probabilities
+        in fp32: 3x the two-bmm version for 8 rows in bf16 (`benchmarks/decode_profile.py`).
+        """
         b, heads, d = q.shape
-        kv = keys.shape[1]
-        # Grouped-query attention as two batched matmuls over (row, kv head): the
-        # heads sharing a kv head form the M dimension, so no key is repeated.
-        q3 = q.reshape(b * kv, heads // kv, d)
-        scores = torch.bmm(q3, keys.reshape(b * kv, self.span, d).transpose(1, 2))
-        if self.bias is not None:
-            scores += self.bias
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, values.reshape(b * kv, self.span, d)).view(b, heads * d)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=self.mask, scale=1.0, enable_gqa=True
+        )
+        return out.reshape(b, heads * d)
 
 
 @dataclass(frozen=True)
