@@ -97,7 +97,7 @@ def parse_options(argv: list[str]) -> Options:
     parser.add_argument("--reply-tokens", type=int, default=None, help="Tokens per reply.")
     parser.add_argument("--reps", type=int, default=None, help="Repetitions.")
     parser.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
-    parser.add_argument("--omp-wait-policy", default="passive", choices=OMP_WAIT_POLICIES)
+    parser.add_argument("--omp-wait-policy", default="product", choices=OMP_WAIT_POLICIES)
     args = parser.parse_args(argv)
     quick = bool(args.quick)
     return Options(

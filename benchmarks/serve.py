@@ -108,10 +108,11 @@ def parse_options(argv: list[str]) -> Options:
     parser.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
     parser.add_argument(
         "--omp-wait-policy",
-        default="passive",
+        default="product",
         choices=OMP_WAIT_POLICIES,
-        help="OpenMP idle threads: sleep (passive, default), spin (active) or as the "
-        "environment says (inherit). Applied before torch loads (`python -m`).",
+        help="OpenMP idle threads: a brief spin, then sleep (product, default), sleep "
+        "(passive), spin (active) or as the environment says (inherit). Applied before "
+        "torch loads (`python -m`).",
     )
     parser.add_argument("--reps", type=int, default=None, help="Repetitions (default 1, 3).")
     parser.add_argument(

@@ -446,9 +446,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     p.add_argument(
         "--omp-wait-policy",
-        default="passive",
+        default="product",
         choices=OMP_WAIT_POLICIES,
-        help="OpenMP idle threads (default passive); applied by `run_bench` before torch loads",
+        help="OpenMP idle threads (default product: a brief spin, then sleep); applied "
+        "before torch loads",
     )
     args = p.parse_args(argv)
     quick = args.quick
@@ -571,11 +572,11 @@ async def measure(args: argparse.Namespace) -> Figures:
 def run(argv: list[str]) -> int:
     """`python -m benchmarks.train [options]`: measure, print the table and machine facts; exit code."""
     args = _parse(argv)
-    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
         _progress(
-            "OMP_WAIT_POLICY is not PASSIVE: on a CPU shared with other work (or with the "
-            "engine and trainer threads of this process) spinning OpenMP threads can slow "
-            "steps down 10x at random; see docs/benchmarks.md"
+            "OMP_WAIT_POLICY is ACTIVE: on a CPU shared with other work (or with the engine "
+            "and trainer threads of this process) spinning OpenMP threads can slow steps "
+            "down 10x at random; see docs/benchmarks.md"
         )
     started = time.perf_counter()
     load_before = machine_facts()["load average (1, 5, 15 min)"]

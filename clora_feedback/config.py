@@ -210,7 +210,9 @@ class EngineConfig(BaseModel):
         DEFAULT_TARGET_MODULES, description="Projections that may carry LoRA weights."
     )
     num_threads: int | None = Field(
-        None, description="torch intra-op threads on CPU (default: all cores)."
+        None,
+        description="The engine thread's OpenMP threads on CPU (default: every core; fewer "
+        "while a trainer step in this process or another process keeps cores busy).",
     )
     adapter_poll_interval_s: float = Field(
         1.0,

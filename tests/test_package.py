@@ -25,6 +25,7 @@ FORBIDDEN = {
     "clora_feedback.priority": ("clora_feedback.", "torch", "fastapi", "aiokafka", "vllm"),
     "clora_feedback.heap": ("clora_feedback.", "torch", "fastapi", "aiokafka", "vllm"),
     "clora_feedback.hardware": ("clora_feedback.", "fastapi", "aiokafka", "vllm"),
+    "clora_feedback.cores": ("clora_feedback.", "fastapi", "aiokafka", "vllm"),
     "clora_feedback.config_reference": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "fastapi"),
     "clora_feedback.config": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "fastapi"),
     "clora_feedback.schemas": ("clora_feedback.engine", "clora_feedback.gateway", "clora_feedback.train", "clora_feedback.store", "clora_feedback.feedback", "fastapi", "aiokafka"),

@@ -26,6 +26,8 @@ import importlib
 import os
 import sys
 
+from clora_feedback.cores import compute_on_main_thread_alone, configure_waits
+
 BENCHMARKS = {
     "serve": "serve_gateway",
     "ingest": "ingest",
@@ -37,26 +39,33 @@ BENCHMARKS = {
 }
 """The names `run_bench` accepts, and the module of this package that runs each."""
 
-OMP_WAIT_POLICIES = ("passive", "active", "inherit")
-"""Values of `--omp-wait-policy` (`inherit`: leave OMP_WAIT_POLICY as the environment has it)."""
+OMP_WAIT_POLICIES = ("product", "passive", "active", "inherit")
+"""Values of `--omp-wait-policy`: `product` (the default): idle OpenMP workers spin briefly,
+then sleep, as every `clora` command sets (`cores.configure_waits`); `passive`: they sleep at
+once; `active`: they spin; `inherit`: as the environment says."""
 
 
 def apply_omp_wait_policy(argv: list[str]) -> None:
-    """Set OMP_WAIT_POLICY from `--omp-wait-policy` (default passive) before torch loads.
+    """Set the OpenMP wait policy `--omp-wait-policy` names (default `product`) before torch loads.
 
-    OpenMP reads the variable once, when torch is first imported, so this must
-    run first. PASSIVE makes idle OpenMP threads sleep instead of spinning;
-    with other processes on the cores, spinning threads stall each other
-    (see docs/benchmarks.md). Too late once torch is imported: then nothing changes.
+    OpenMP reads its variables once, when torch is first imported, so this must
+    run first; once torch is imported nothing changes. Sleeping workers pay a
+    wake-up per parallel region; spinning ones stall other processes on the same
+    cores (see `clora_feedback.cores` and docs/benchmarks.md).
     """
-    policy = "passive"
+    policy = "product"
     for i, arg in enumerate(argv):
         if arg == "--omp-wait-policy" and i + 1 < len(argv):
             policy = argv[i + 1]
         elif arg.startswith("--omp-wait-policy="):
             policy = arg.split("=", 1)[1]
-    if policy != "inherit" and "torch" not in sys.modules:
-        os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    if policy == "inherit" or "torch" in sys.modules:
+        return
+    if policy == "product":
+        configure_waits()
+        return
+    os.environ.pop("GOMP_SPINCOUNT", None)  # a spin count overrides the policy in libgomp
+    os.environ["OMP_WAIT_POLICY"] = policy.upper()
 
 
 def run_bench(what: str, argv: list[str]) -> int:
@@ -65,6 +74,7 @@ def run_bench(what: str, argv: list[str]) -> int:
         raise SystemExit(f"unknown benchmark {what!r}; choose from {', '.join(BENCHMARKS)}")
     if what == "serve":
         apply_omp_wait_policy(argv)
+    compute_on_main_thread_alone()  # as `clora serve` computes (see `cores`)
     module = importlib.import_module(f"clora_feedback.bench.{BENCHMARKS[what]}")
     result: int = module.run(argv)
     return result

@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--work", type=Path, default=None, help="Data directory (default: a temp dir).")
     p.add_argument("--out", type=Path, default=Path("var/bench/release"))
-    p.add_argument("--omp-wait-policy", default="passive")
+    p.add_argument("--omp-wait-policy", default="product")
     return p
 
 

@@ -122,6 +122,7 @@ def machine_facts() -> dict[str, str]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "(unset)"),
     }
     torch = sys.modules.get("torch")
     if torch is not None:  # only when the benchmark uses it: ingestion does not import torch

@@ -158,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="`vllm`: the gateway on vLLM instead (`clora_feedback.bench.vllm_serve`).",
     )  # fmt: skip
     p.add_argument(
-        "--omp-wait-policy", default="passive", choices=OMP_WAIT_POLICIES,
-        help="OpenMP idle threads: sleep (passive), spin (active) or as the environment says "
-        "(inherit). Applied by `run_bench` before torch loads.",
+        "--omp-wait-policy", default="product", choices=OMP_WAIT_POLICIES,
+        help="OpenMP idle threads: a brief spin, then sleep (product), sleep (passive), spin "
+        "(active) or as the environment says (inherit). Applied by `run_bench` before torch "
+        "loads.",
     )  # fmt: skip
     p.add_argument("--dtypes", default="float32,bfloat16", help="Embedded engine dtypes.")
     p.add_argument("--against", default=None, help="Another OpenAI server's base URL.")

@@ -120,7 +120,7 @@ def parse_options(argv: Sequence[str]) -> Options:
     p.add_argument("--publishes", type=int, default=None, help="Publishes timed in 3.")
     p.add_argument("--json", type=Path, default=None, help="Also write results as JSON.")
     p.add_argument("--publish-only", action="store_true", help="Run 3. only (no gateway).")
-    p.add_argument("--omp-wait-policy", default="passive", help=argparse.SUPPRESS)
+    p.add_argument("--omp-wait-policy", default="product", help=argparse.SUPPRESS)
     a = p.parse_args(list(argv))
     return Options(
         model=a.model,

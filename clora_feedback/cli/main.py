@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from clora_feedback.cores import configure_waits
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -102,10 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Idle OpenMP threads must sleep, not spin: the engine and trainer threads (and any other
-    # process) share the cores, and spinning workers stall each other (docs/benchmarks.md).
-    # OpenMP reads this once, when torch loads, which has not happened yet here.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Idle OpenMP workers spin briefly, then sleep (`cores`): OpenMP reads this once, when
+    # torch loads, which has not happened yet here.
+    waits = configure_waits()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if getattr(args, "takes_extra", False):
@@ -115,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger(__name__).debug("%s", waits)
     result: int = args.func(args)
     return result
 

@@ -54,6 +54,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from clora_feedback.chat_format.constraint import vocab_texts
 from clora_feedback.config import EngineConfig
+from clora_feedback.cores import CoreShare, process_share, set_thread_teams
 from clora_feedback.engine.decoder import KVCache, PrefillChunk, SlottedDecoder
 from clora_feedback.engine.detok import Detokenizer
 from clora_feedback.engine.guided import compile_guided
@@ -142,10 +143,16 @@ class EmbeddedEngine:
     background_chunk_tokens = 32
 
     def __init__(
-        self, model_dir: Path, config: EngineConfig | None = None, *, model_name: str | None = None
+        self,
+        model_dir: Path,
+        config: EngineConfig | None = None,
+        *,
+        model_name: str | None = None,
+        cores: CoreShare | None = None,
     ):
         config = config or EngineConfig()
         self.config = config
+        self.cores = cores or process_share()
         self.model_dir = Path(model_dir)
         self._model_name = model_name or Path(model_dir).name
         if config.num_threads:
@@ -257,6 +264,7 @@ class EmbeddedEngine:
     def start_thread(self) -> None:
         if self._thread is None:
             self._stopping = False
+            self.cores.serving = True  # a trainer beside it takes half the cores
             self._thread = threading.Thread(target=self._loop, name="clora-engine", daemon=True)
             self._thread.start()
 
@@ -473,7 +481,13 @@ class EmbeddedEngine:
     # -- the step loop -----------------------------------------------------------------
 
     def _loop(self) -> None:
+        # This thread's OpenMP teams: the user's engine.num_threads, else every core; fewer
+        # while a trainer step or another process wants them (`cores`).
+        width, teams = self.config.num_threads or self.cores.cores, 0
         while True:
+            if (want := self.cores.engine_threads(width)) != teams:
+                set_thread_teams(want)
+                teams = want
             with self._lock:
                 while not (
                     self._stopping

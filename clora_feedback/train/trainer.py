@@ -77,6 +77,7 @@ from typing import Protocol
 import torch
 
 from clora_feedback.config import TrainerConfig
+from clora_feedback.cores import process_share, set_thread_teams
 from clora_feedback.errors import CloraError, ConflictError, NotFoundError, StoreError
 from clora_feedback.heap import trim_heap
 from clora_feedback.lifecycle import BackgroundTask
@@ -108,6 +109,13 @@ class PublishHandoff(Protocol):
     def handoff(self, ref: AdapterRef) -> AbstractContextManager[None]:
         """Serve `ref` from memory while the block moves the pointer; undone if it raises."""
         ...
+
+
+def _trainer_thread(nice: int) -> None:
+    """The trainer thread's set-up: background priority (`trainer.nice`) and its OpenMP
+    team size (half the cores beside an engine, else all: `cores`)."""
+    lower_thread_priority(nice)
+    set_thread_teams(process_share().trainer_threads())
 
 
 class ContinualTrainer(BackgroundTask):
@@ -175,7 +183,7 @@ class ContinualTrainer(BackgroundTask):
             self._executor = ThreadPoolExecutor(
                 max_workers=1,
                 thread_name_prefix="clora-trainer",
-                initializer=lower_thread_priority,
+                initializer=_trainer_thread,
                 initargs=(self.config.nice,),
             )
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.run_round)
@@ -394,7 +402,8 @@ class ContinualTrainer(BackgroundTask):
         if not batches:
             return []
         slots = self._slots_for([b.state for b in batches])
-        results = train_step(self.policy, slots, batches, self._loss, self._adam)
+        with process_share().training():  # an engine beside it narrows meanwhile
+            results = train_step(self.policy, slots, batches, self._loss, self._adam)
         published = []
         for run, (agent, admitted), result in zip(runs, group, results, strict=True):
             window = {
