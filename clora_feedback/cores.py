@@ -137,13 +137,16 @@ def set_thread_teams(threads: int) -> None:
     the default of every thread that starts later, so it is only the fallback,
     where torch's runtime is not libgomp.
     """
+    import torch
+
     n = max(1, threads)
     runtime = _runtime()
     if runtime is None:
-        import torch
-
         torch.set_num_threads(n)
         return
+    # torch sets a thread's counts to the process default at its first op there: that
+    # first, or it would undo these.
+    torch.get_num_threads()
     runtime.omp_set_num_threads(n)
     if runtime.mkl_set_num_threads_local is not None:
         runtime.mkl_set_num_threads_local(n)

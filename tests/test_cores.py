@@ -96,11 +96,17 @@ def test_a_thread_team_size_is_the_calling_threads_own() -> None:
     before = torch.get_num_threads()
     seen: list[int] = []
 
-    def other() -> None:
-        set_thread_teams(1)
+    def other(n: int) -> None:
+        set_thread_teams(n)  # before this thread's first torch op: torch's default must not undo it
+        torch.ones(4).sum()
         seen.append(torch.get_num_threads())
 
-    thread = threading.Thread(target=other)
-    thread.start()
-    thread.join()
-    assert seen == [1] and torch.get_num_threads() == before
+    torch.set_num_threads(1)  # as `compute_on_main_thread_alone`: the default of new threads
+    try:
+        for n in (1, 3):
+            thread = threading.Thread(target=other, args=(n,))
+            thread.start()
+            thread.join()
+        assert seen == [1, 3] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
