@@ -260,12 +260,18 @@ def process_share() -> CoreShare:
     return _PROCESS
 
 
-def compute_on_main_thread_alone() -> None:
-    """The calling (main) thread, and every thread that starts after this without a team
-    size of its own (executor workers, the HTTP server's), computes with one OpenMP
-    thread, so none of them holds a thread pool beside the engine's or the trainer's
-    (see the module docstring). Call it in a process's entry point before the model loads.
-    """
+@contextmanager
+def main_thread_alone() -> Iterator[None]:
+    """Inside: the calling (main) thread, and every thread that starts meanwhile without a
+    team size of its own (executor workers, the HTTP server's), compute with one OpenMP
+    thread, so none holds a thread pool beside the engine's or the trainer's (see the
+    module docstring). A process's entry point runs inside it; the count before is
+    restored on the way out (an entry point called in-process, as tests do)."""
     import torch
 
+    before = torch.get_num_threads()
     torch.set_num_threads(1)  # this thread, and the default of every later thread
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

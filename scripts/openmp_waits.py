@@ -7,7 +7,7 @@ For each wait setting (sleeping workers, `OMP_WAIT_POLICY=PASSIVE`; the brief sp
 - `main`: a one-row decode step on the main thread, the only thread that computes;
 - `second`: the same step on a second thread after the main thread computed with
   every core (its pool stays: libgomp then throttles every spin to 100 pauses);
-- `second, main alone`: the same after `cores.compute_on_main_thread_alone` (no pool
+- `second, main alone`: the same after `cores.main_thread_alone` (no pool
   on the main thread), as `clora serve` runs the engine;
 - `swap step`: one training step of the precision benchmark's batch on the main thread.
 
@@ -105,30 +105,30 @@ def _second_main_alone(reps: int, model_cache: Path) -> float:
     import torch
 
     from clora_feedback.config import DEFAULT_MODEL, EngineConfig
-    from clora_feedback.cores import compute_on_main_thread_alone, set_thread_teams
+    from clora_feedback.cores import main_thread_alone, set_thread_teams
     from clora_feedback.engine.decoder import KVCache, SlottedDecoder
     from clora_feedback.hardware import resolve_dtype
     from clora_feedback.lora.ops import LoRABatch
     from clora_feedback.model.resolve import resolve_model_dir
 
     cores = torch.get_num_threads()
-    compute_on_main_thread_alone()
-    model_dir = resolve_model_dir(DEFAULT_MODEL, model_cache)
-    dtype = resolve_dtype("auto", torch.device("cpu"))
-    targets = tuple(EngineConfig().lora_target_modules)
-    model = SlottedDecoder.from_dir(
-        model_dir, max_loras=2, max_lora_rank=16, target_modules=targets, dtype=dtype
-    )
-    cache = KVCache(model.config, 2, 256, dtype, model.device)
-    tokens, positions = torch.tensor([42]), torch.tensor([60])
-
-    def run() -> float:
-        set_thread_teams(cores)
-        return _median_ms(
-            lambda: model.decode(tokens, [0], positions, LoRABatch.from_slots([0]), cache), reps
+    with main_thread_alone():
+        model_dir = resolve_model_dir(DEFAULT_MODEL, model_cache)
+        dtype = resolve_dtype("auto", torch.device("cpu"))
+        targets = tuple(EngineConfig().lora_target_modules)
+        model = SlottedDecoder.from_dir(
+            model_dir, max_loras=2, max_lora_rank=16, target_modules=targets, dtype=dtype
         )
+        cache = KVCache(model.config, 2, 256, dtype, model.device)
+        tokens, positions = torch.tensor([42]), torch.tensor([60])
 
-    return _on_thread(run)
+        def run() -> float:
+            set_thread_teams(cores)
+            return _median_ms(
+                lambda: model.decode(tokens, [0], positions, LoRABatch.from_slots([0]), cache), reps
+            )
+
+        return _on_thread(run)
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from clora_feedback.cores import (
     CoreShare,
     OtherLoad,
     configure_waits,
+    main_thread_alone,
     set_thread_teams,
 )
 
@@ -101,7 +102,7 @@ def test_a_thread_team_size_is_the_calling_threads_own() -> None:
         torch.ones(4).sum()
         seen.append(torch.get_num_threads())
 
-    torch.set_num_threads(1)  # as `compute_on_main_thread_alone`: the default of new threads
+    torch.set_num_threads(1)  # as `main_thread_alone`: the default of new threads
     try:
         for n in (1, 3):
             thread = threading.Thread(target=other, args=(n,))
@@ -110,3 +111,14 @@ def test_a_thread_team_size_is_the_calling_threads_own() -> None:
         assert seen == [1, 3] and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_entry_point_computes_alone_on_the_main_thread_and_restores_the_count() -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    with main_thread_alone():
+        seen.append(torch.get_num_threads())
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+    assert seen == [1, 1] and torch.get_num_threads() == before

@@ -26,7 +26,7 @@ import importlib
 import os
 import sys
 
-from clora_feedback.cores import compute_on_main_thread_alone, configure_waits
+from clora_feedback.cores import configure_waits, main_thread_alone
 
 BENCHMARKS = {
     "serve": "serve_gateway",
@@ -74,7 +74,7 @@ def run_bench(what: str, argv: list[str]) -> int:
         raise SystemExit(f"unknown benchmark {what!r}; choose from {', '.join(BENCHMARKS)}")
     if what == "serve":
         apply_omp_wait_policy(argv)
-    compute_on_main_thread_alone()  # as `clora serve` computes (see `cores`)
     module = importlib.import_module(f"clora_feedback.bench.{BENCHMARKS[what]}")
-    result: int = module.run(argv)
+    with main_thread_alone():  # as `clora serve` computes (see `cores`)
+        result: int = module.run(argv)
     return result

@@ -54,7 +54,7 @@ def run_train(args: argparse.Namespace) -> int:
     """Run one trainer worker until signalled. Returns the exit status."""
     from clora_feedback.cli.common import checked_store_url, until_signalled
     from clora_feedback.config import load_settings
-    from clora_feedback.cores import compute_on_main_thread_alone
+    from clora_feedback.cores import main_thread_alone
     from clora_feedback.errors import CloraError
     from clora_feedback.service import build_trainer_worker
 
@@ -65,9 +65,9 @@ def run_train(args: argparse.Namespace) -> int:
             engine={"model": args.model},
             trainer={"lease_owner": args.owner},
         )
-        compute_on_main_thread_alone()  # the trainer thread takes every core
-        worker = build_trainer_worker(settings)
-        asyncio.run(until_signalled(worker.run))
+        with main_thread_alone():  # the trainer thread takes every core
+            worker = build_trainer_worker(settings)
+            asyncio.run(until_signalled(worker.run))
     except CloraError as exc:
         log.error("trainer failed: %s", exc.message)
         return 1

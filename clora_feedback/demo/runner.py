@@ -403,11 +403,16 @@ def write_results(demo: Demo, registry: Any, out_dir: Path, *, interrupted: bool
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Run the demo until done or Ctrl-C; write the results; return the summary."""
-    from clora_feedback.cores import compute_on_main_thread_alone
+    from clora_feedback.cores import main_thread_alone
+
+    with main_thread_alone():  # the engine thread's pool is the process's only one
+        return _run_demo(config)
+
+
+def _run_demo(config: DemoConfig) -> dict[str, Any]:
     from clora_feedback.model.resolve import resolve_model_dir
     from clora_feedback.service import build_service
 
-    compute_on_main_thread_alone()  # the engine thread's pool is the process's only one
     if config.fresh and config.data_dir.exists():
         for name in ("trajectories.db", "registry.db", "adapters", "kafka"):
             path = config.data_dir / name

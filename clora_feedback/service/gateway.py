@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from clora_feedback.config import Settings
-from clora_feedback.cores import compute_on_main_thread_alone
+from clora_feedback.cores import main_thread_alone
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.factory import build_engine
@@ -148,10 +148,10 @@ def serve(settings: Settings) -> None:
 
     from clora_feedback.gateway.server import uvicorn_config
 
-    compute_on_main_thread_alone()  # the engine thread's pool is the process's only one
-    service = build_gateway(settings)
-    # Body bounds, header and keep-alive timeouts, access log: `settings.server`.
-    uvicorn.Server(uvicorn_config(service.app, settings)).run()
+    with main_thread_alone():  # the engine thread's pool is the process's only one
+        service = build_gateway(settings)
+        # Body bounds, header and keep-alive timeouts, access log: `settings.server`.
+        uvicorn.Server(uvicorn_config(service.app, settings)).run()
 
 
 def gateway_deployer(settings: Settings, engine: Engine) -> Deployer:
