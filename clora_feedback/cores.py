@@ -32,7 +32,6 @@ Not here: which kernels the CPU runs (`hardware`), thread priorities (`priority`
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 import time
@@ -41,8 +40,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 SPIN_COUNT = 10_000
 """Pauses an idle OpenMP worker spins before it sleeps (libgomp's `GOMP_SPINCOUNT`).

@@ -52,20 +52,16 @@ def _on_thread(fn: Callable[[], float]) -> float:
     return out[0]
 
 
-def measure(reps: int, model_cache: Path) -> dict[str, float]:
-    """In this process (its waits already set): the four figures, milliseconds."""
+def _decoder(model_cache: Path) -> tuple[Callable[[], object], Path]:
+    """A one-row decode step of the default model (bf16 where the CPU has it), and the
+    model's directory."""
     import torch
 
-    from benchmarks.precision import Task, _identity, rollout
-    from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES, EngineConfig
+    from clora_feedback.config import DEFAULT_MODEL, EngineConfig
     from clora_feedback.engine.decoder import KVCache, SlottedDecoder
     from clora_feedback.hardware import resolve_dtype
     from clora_feedback.lora.ops import LoRABatch
     from clora_feedback.model.resolve import resolve_model_dir
-    from clora_feedback.train.loss import LossConfig
-    from clora_feedback.train.policy import DecoderPolicy
-    from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot
-    from clora_feedback.train.step import AgentBatch, train_step
 
     model_dir = resolve_model_dir(DEFAULT_MODEL, model_cache)
     dtype = resolve_dtype("auto", torch.device("cpu"))
@@ -75,12 +71,29 @@ def measure(reps: int, model_cache: Path) -> dict[str, float]:
     )
     cache = KVCache(model.config, 2, 256, dtype, model.device)
     tokens, positions = torch.tensor([42]), torch.tensor([60])
+    return (
+        lambda: model.decode(tokens, [0], positions, LoRABatch.from_slots([0]), cache)
+    ), model_dir
 
-    def decode() -> object:
-        return model.decode(tokens, [0], positions, LoRABatch.from_slots([0]), cache)
 
+def measure(reps: int, model_cache: Path) -> dict[str, float]:
+    """In this process (its waits already set): the figures but the last, milliseconds."""
+    import torch
+
+    from benchmarks.precision import Task, _identity, rollout
+    from clora_feedback.config import DEFAULT_TARGET_MODULES
+    from clora_feedback.hardware import resolve_dtype
+    from clora_feedback.train.loss import LossConfig
+    from clora_feedback.train.policy import DecoderPolicy
+    from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot
+    from clora_feedback.train.step import AgentBatch, train_step
+
+    decode, model_dir = _decoder(model_cache)
     policy = DecoderPolicy.from_dir(
-        model_dir, max_lora_rank=8, target_modules=DEFAULT_TARGET_MODULES, dtype=dtype
+        model_dir,
+        max_lora_rank=8,
+        target_modules=DEFAULT_TARGET_MODULES,
+        dtype=resolve_dtype("auto", torch.device("cpu")),
     )
     task = Task.build(policy, seed=0, train=8, held_out=1)
     fresh = AgentTrainState.create("x", *_identity(policy, 8))
@@ -92,41 +105,26 @@ def measure(reps: int, model_cache: Path) -> dict[str, float]:
         batch = [AgentBatch(state, samples)]
         train_step(policy, [slot], batch, LossConfig(), AdamConfig(lr=1e-3))
 
-    figures = {
+    return {  # the main thread's pool stays: "second, main alone" needs a new process
         "main": _median_ms(decode, reps),
         "swap step": _median_ms(step, max(3, reps // 5)),
         "second": _on_thread(lambda: _median_ms(decode, reps)),
     }
-    return figures  # the main thread's pool stays: "second, main alone" needs a new process
 
 
 def _second_main_alone(reps: int, model_cache: Path) -> float:
     """The decode step on a second thread in a process whose main thread computed alone."""
     import torch
 
-    from clora_feedback.config import DEFAULT_MODEL, EngineConfig
     from clora_feedback.cores import main_thread_alone, set_thread_teams
-    from clora_feedback.engine.decoder import KVCache, SlottedDecoder
-    from clora_feedback.hardware import resolve_dtype
-    from clora_feedback.lora.ops import LoRABatch
-    from clora_feedback.model.resolve import resolve_model_dir
 
     cores = torch.get_num_threads()
     with main_thread_alone():
-        model_dir = resolve_model_dir(DEFAULT_MODEL, model_cache)
-        dtype = resolve_dtype("auto", torch.device("cpu"))
-        targets = tuple(EngineConfig().lora_target_modules)
-        model = SlottedDecoder.from_dir(
-            model_dir, max_loras=2, max_lora_rank=16, target_modules=targets, dtype=dtype
-        )
-        cache = KVCache(model.config, 2, 256, dtype, model.device)
-        tokens, positions = torch.tensor([42]), torch.tensor([60])
+        decode, _ = _decoder(model_cache)
 
         def run() -> float:
             set_thread_teams(cores)
-            return _median_ms(
-                lambda: model.decode(tokens, [0], positions, LoRABatch.from_slots([0]), cache), reps
-            )
+            return _median_ms(decode, reps)
 
         return _on_thread(run)
 
