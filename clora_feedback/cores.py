@@ -21,8 +21,9 @@ region; between regions the team's workers wait for the next one. Measured on
   teams of two each).
 - Spinning workers stall other processes that want the same cores (a swap step
   0.85 s with sleeping workers next to one busy process, 2.8 s spinning). The
-  engine watches the other processes' CPU use (`OtherLoad`, /proc) and computes
-  with one thread, which never waits on a team, while they keep a core busy.
+  engine watches the other processes' CPU use (`OtherLoad`, /proc) and leaves
+  them the cores they keep busy (on 2 cores: one thread, which never waits on a
+  team).
 
 The user's `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`, and `engine.num_threads`, win.
 
@@ -32,6 +33,7 @@ Not here: which kernels the CPU runs (`hardware`), thread priorities (`priority`
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 import time
@@ -49,8 +51,8 @@ asleep within about a millisecond. Measured: 1,000 pauses recover a quarter of t
 sleeping cost, 3,000 two thirds, 10,000 all of it (100,000 no more)."""
 
 BUSY_CORES = 0.5
-"""Other processes' CPU use (cores, averaged over `OtherLoad.interval_s`) from which
-the engine computes with one thread."""
+"""How much of a core other processes must use (averaged over `OtherLoad.interval_s`)
+for the engine to leave that core to them."""
 
 
 def configure_waits(environ: MutableMapping[str, str] | None = None) -> str:
@@ -221,14 +223,16 @@ class CoreShare:
         self._lock = threading.Lock()
 
     def engine_threads(self, width: int) -> int:
-        """The engine thread's team size now: `width` (the user's `engine.num_threads`, else
-        the process's torch thread count); the cores a trainer's step leaves while one
-        computes; one while other processes keep `BUSY_CORES` busy."""
+        """The engine thread's team size now: at most `width` (the user's
+        `engine.num_threads`, else every core), less the cores a trainer step takes while
+        one computes and the cores other processes keep busy (each from `BUSY_CORES` of
+        one), at least one."""
+        free = self.cores
         if self._steps:
-            width = min(width, max(1, self.cores - self.trainer_threads()))
-        if width > 1 and self.load is not None and self.load.cores() >= BUSY_CORES:
-            return 1
-        return width
+            free -= self.trainer_threads()
+        if width > 1 and self.load is not None:
+            free -= math.floor(self.load.cores() + 1 - BUSY_CORES)
+        return max(1, min(width, free))
 
     @contextmanager
     def training(self) -> Iterator[None]:

@@ -86,11 +86,19 @@ def test_the_engine_takes_every_core_until_a_step_or_another_process_wants_them(
         assert share.engine_threads(4) == 2
     assert share.engine_threads(4) == 4  # the step ended
     load.value = BUSY_CORES
-    assert share.engine_threads(4) == 1  # another process keeps a core busy
+    assert share.engine_threads(4) == 3  # another process keeps a core busy: it is theirs
+    load.value = 1.4
+    assert share.engine_threads(4) == 3 and share.engine_threads(2) == 2
+    load.value = 2.5
+    assert share.engine_threads(4) == 1
+    load.value = BUSY_CORES - 0.1
+    assert share.engine_threads(4) == 4
     two = CoreShare(2, load=_Load(0.0))
     two.serving = True
     with two.training():  # on 2 cores: one thread each, neither holds a pool
         assert two.trainer_threads() == 1 and two.engine_threads(2) == 1
+    two.load = _Load(0.6)
+    assert two.engine_threads(2) == 1
 
 
 def test_a_thread_team_size_is_the_calling_threads_own() -> None:
