@@ -6,7 +6,7 @@ region; between regions the team's workers wait for the next one. Measured on
 
 - Workers that sleep (`OMP_WAIT_POLICY=PASSIVE`) pay a futex wake-up per region,
   ~100 us here: a one-row bf16 decode step of the default model takes 41 ms
-  instead of 23, a swap step 0.91 s instead of 0.52. A brief spin
+  instead of 23, a swap step 0.93 s instead of 0.58. A brief spin
   (`GOMP_SPINCOUNT`, `SPIN_COUNT` pauses) keeps them awake between back-to-back
   regions and lets them sleep when the thread is idle.
 - libgomp cuts that spin to 100 pauses for the whole process once its thread
@@ -17,10 +17,8 @@ region; between regions the team's workers wait for the next one. Measured on
   no pool either); a trainer with no engine in its process takes every core.
 - Two teams that each want every core stall each other. While a trainer step
   computes, the engine narrows to the cores it leaves: on 2 cores, one thread
-  each (decode 37 ms, step 0.89 s, against 41 ms and 1.06 s for two sleeping
-  teams of two each).
-- Spinning workers stall other processes that want the same cores (a swap step
-  0.85 s with sleeping workers next to one busy process, 2.8 s spinning). The
+  each, and a team of one never waits on a barrier.
+- Spinning workers stall other processes that want the same cores. The
   engine watches the other processes' CPU use (`OtherLoad`, /proc) and leaves
   them the cores they keep busy (on 2 cores: one thread, which never waits on a
   team).
@@ -47,8 +45,9 @@ SPIN_COUNT = 10_000
 """Pauses an idle OpenMP worker spins before it sleeps (libgomp's `GOMP_SPINCOUNT`).
 
 Back-to-back regions of one step start within it; an idle thread's workers are
-asleep within about a millisecond. Measured: 1,000 pauses recover a quarter of the
-sleeping cost, 3,000 two thirds, 10,000 all of it (100,000 no more)."""
+asleep within about a millisecond. `python -m scripts.openmp_waits --spins 1000,3000`:
+of a swap step's sleeping cost, 1,000 pauses recover a fifth, 3,000 two thirds,
+10,000 all of it."""
 
 BUSY_CORES = 0.5
 """How much of a core other processes must use (averaged over `OtherLoad.interval_s`)

@@ -149,7 +149,6 @@ class _DecodeStep:
     run: int | None
     span: int
     mask: torch.Tensor | None
-    num_heads: int
     to_run: torch.Tensor | None = None
     from_run: torch.Tensor | None = None
 
@@ -179,9 +178,7 @@ class _DecodeStep:
             attending = positions if to_run is None else positions[to_run]
             mask = torch.arange(span, device=device).unsqueeze(0) <= attending.unsqueeze(1)
             mask = mask.view(b, 1, 1, span)
-        return cls(
-            cos, sin, offsets.view(-1), row_index, run, span, mask, c.num_heads, to_run, from_run
-        )
+        return cls(cos, sin, offsets.view(-1), row_index, run, span, mask, to_run, from_run)
 
     def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k [B, K, D] and v [B, K*D] at each row's position."""
@@ -208,7 +205,8 @@ class _DecodeStep:
 
         torch's fused attention reads the cache views in place (a `bmm` would first copy
         each layer's keys and values out of the wider cache) and keeps the probabilities
-        in fp32: 3x the two-bmm version for 8 rows in bf16 (`benchmarks/decode_profile.py`).
+        in fp32: an 8-row bf16 decode step 46-48 -> 44-45 CPU ms at one thread
+        (`python -m benchmarks.serve --decode-profile`, docs/benchmarks-history.md).
         """
         b, heads, d = q.shape
         out = F.scaled_dot_product_attention(
