@@ -27,7 +27,9 @@ LoRA matmuls are bf16; each agent's fp32 master is cast once per pass (its
 gradient comes back through that cast and accumulates in fp32), and the final
 norm, the vocabulary projection and the log-softmax run in fp32 on an fp32
 copy of the head (`head`): a bf16 logit of magnitude 20 is only good to
-0.06, which an importance ratio would see as noise.
+0.06, which an importance ratio would see as noise. The head's backward
+multiplies by the head in the compute dtype (`fused.head_logprobs`); the
+norms and the SwiGLU are `fused`'s too (same values, fewer ops backwards).
 
 Not here: losses, optimizer, batching policy.
 """
@@ -42,7 +44,8 @@ import torch.nn.functional as F
 
 from clora_feedback.lora.weights import module_key
 from clora_feedback.model.base import GROUPS, BaseWeights
-from clora_feedback.model.decoder import gather_logprobs, rms_norm, rope_signed, signed_sin
+from clora_feedback.model.decoder import rope_signed, signed_sin
+from clora_feedback.train.fused import head_logprobs, rms_norm, swiglu
 from clora_feedback.train.state import LoRALayout
 
 
@@ -232,7 +235,7 @@ def token_logprobs(
         [N] fp32 logprobs of `batch.targets[batch.mask]`, in row-major order.
     """
     scored, targets = scored_hidden(base, batch, lora)
-    return gather_logprobs(scored, _fp32_head(base, head), targets)
+    return head_logprobs(scored, _fp32_head(base, head), base.lm_head, targets)
 
 
 def next_token_logprobs(
@@ -271,7 +274,6 @@ def scored_hidden(
     cos = base.cos[stream.positions].unsqueeze(1)  # [N, 1, D], once for every layer
     sin = sin_signed[stream.positions].unsqueeze(1)
     qk_width, v_width = (c.num_heads + c.num_kv_heads) * c.head_dim, c.num_kv_heads * c.head_dim
-    inter = c.intermediate_size
     h = base.embed[stream.tokens]  # [N, hidden]
     for i, layer in enumerate(base.layers):
         x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
@@ -279,8 +281,9 @@ def scored_hidden(
         qk = rope_signed(qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
         h = h + _project(base, stream.attend(base, qk, v), i, "o", rows_lora)
         x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-        gate, up = _project(base, x, i, "gate_up", rows_lora).split([inter, inter], dim=-1)
-        h = h + _project(base, F.silu(gate) * up, i, "down", rows_lora)
+        h = h + _project(
+            base, swiglu(_project(base, x, i, "gate_up", rows_lora)), i, "down", rows_lora
+        )
     # The last norm in fp32 (weights and output): the head and the log-softmax read it.
     scored = h.index_select(0, stream.scored(batch.mask.to(base.device)))
     scored = rms_norm(scored.float(), base.final_norm.float(), c.rms_norm_eps)

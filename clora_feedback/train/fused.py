@@ -1,0 +1,138 @@
+"""Autograd functions of the training pass that do one layer piece in fewer ops.
+
+On a CPU a training step's time outside the big GEMMs is a few hundred
+elementwise ops per layer, each a pass over memory; autograd's generic
+backward of a composite (RMSNorm is eight ops forwards, more backwards)
+makes several more. Each function here computes its piece's forward with the
+same values as `clora_feedback.model.decoder` (the reference, checked against
+PEFT) and writes its backward by hand, in fewer passes:
+
+- `rms_norm`: HF Llama's RMSNorm (normalise in fp32, round to the compute
+  dtype, scale by the frozen weight), input gradient only.
+- `swiglu`: silu(gate) * up over the fused gate_up projection's output,
+  whose gradient is written straight into one [N, 2I] buffer (no cat).
+- `head_logprobs`: log_softmax(hidden @ head.T)[targets] with fp32 logits,
+  whose backward multiplies by the head in the compute dtype: the gradient
+  is rounded to bf16 as every other activation gradient is, and the
+  [N, V] x [V, hidden] product reads half the bytes at bf16's GEMM rate.
+
+The frozen weights get no gradient (the trainer trains LoRA factors only).
+Not here: the layer composition (see `forward`), losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        x32 = x.float()
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # the reference's ops, its values
+        normed = torch.mul(x32, r, out=torch.empty_like(x))  # rounded once, as .to(x.dtype)
+        ctx.save_for_backward(x, r, weight)
+        return weight * normed
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, r, weight = ctx.saved_tensors
+        # y = w * x * r with r = (mean(x^2) + eps)^-1/2, so with g = grad * w:
+        # dx = r * g - x * r^3 * mean(g * x)
+        g = (grad * weight).float()
+        x32 = x.float()
+        dot = torch.linalg.vecdot(g, x32, dim=-1).unsqueeze(-1)
+        coef = dot.mul_(r.pow(3)).div_(-x.shape[-1])
+        dx = torch.addcmul(g.mul_(r), x32, coef)
+        return dx.to(x.dtype), None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`model.decoder.rms_norm`'s values; the gradient reaches `x` only (weight frozen)."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(gate_up, act)
+        return act * up
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        gate_up, act = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.empty_like(gate_up)
+        d_gate, d_up = out.chunk(2, dim=-1)
+        torch.mul(grad, act, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        return out
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2I] (gate then up) -> silu(gate) * up [N, I]."""
+    return _SwiGLU.apply(gate_up)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        hidden: torch.Tensor,
+        head: torch.Tensor,
+        head_compute: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
+        outs, saved = [], []
+        for part, wanted in zip(hidden.split(chunk), targets.split(chunk), strict=True):
+            lp = torch.log_softmax(part @ head.t(), dim=-1)
+            outs.append(lp.gather(1, wanted.unsqueeze(1)).squeeze(1))
+            saved.append(lp)
+        ctx.save_for_backward(head_compute, targets, *saved)
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        return torch.cat(outs) if outs else hidden.new_zeros(0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        head_compute, targets, *saved = ctx.saved_tensors
+        parts = []
+        for lp, wanted, g in zip(
+            saved, targets.split(ctx.chunk), grad.split(ctx.chunk), strict=True
+        ):
+            # d lp[t] / d logits = onehot(t) - softmax
+            d_logits = lp.exp().mul_(-g.unsqueeze(1))
+            d_logits.scatter_add_(1, wanted.unsqueeze(1), g.unsqueeze(1))
+            parts.append((d_logits.to(head_compute.dtype) @ head_compute).float())
+        return torch.cat(parts) if parts else None, None, None, None, None
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    head: torch.Tensor,
+    head_compute: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = 512,
+) -> torch.Tensor:
+    """log_softmax(hidden @ head.T)[targets] -> [N] fp32, in chunks of `chunk` rows.
+
+    Args:
+        hidden: [N, hidden] fp32 final-norm states.
+        head: [V, hidden] the fp32 vocabulary projection (the forward's logits).
+        head_compute: the same weights in the compute dtype (the backward's product).
+        targets: [N] token ids.
+    """
+    return _HeadLogprobs.apply(hidden, head, head_compute, targets, chunk)
