@@ -9,6 +9,7 @@ from the repository root prints its measured ratios as a Markdown table.
 - `train`: the continual trainer's costs (tenancy, swap, publish, staleness,
   interference with serving; `publish`, `staleness`);
 - `precision`: training in bf16 compute against fp32;
+- `fused_pass`: the training pass's fused pieces against the reference composites;
 - `prefix`: time to first token with the prefix cache on and off.
 
 They reach into `engine`, `train` and `lora` internals on purpose (that is what

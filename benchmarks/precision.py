@@ -6,6 +6,10 @@
 2. Step time: one swap step (the trainer's `train_step`) on the same batch of
    support-triage rows, fp32 and bf16 alternated; FLOPs per step from the model
    shape and the tokens (`training_flops`), achieved GFLOP/s against (1).
+   2b: the same tickets as supervised targets of `--target-tokens` tokens each
+   (the shape of corrections and replayed examples: many scored tokens a row,
+   where the vocabulary projection and its backward weigh more); the targets
+   are the last tokens of each ticket's prompt, since only the shape sets the time.
 3. Importance ratios: on fresh samples (behaviour logprobs from the fp32
    rollout policy, as an fp32 engine records them), exp(bf16 logprob - fp32
    logprob) per token: what the clipped objective sees at ratio 1.
@@ -69,7 +73,7 @@ from clora_feedback.train.state import (
     TrainingSlot,
     init_lora,
 )
-from clora_feedback.train.step import AgentBatch, PGSample, train_step
+from clora_feedback.train.step import AgentBatch, PGSample, SFTSample, train_step
 
 TEMPERATURE = 0.8
 
@@ -303,6 +307,30 @@ def ratio_stats(
     }
 
 
+def sft_step_times(
+    policies: dict[str, DecoderPolicy], task: Task, args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """Row 2b: seconds of one swap step on `args.tickets` supervised targets of
+    `args.target_tokens` tokens, per dtype, `args.sft_reps` alternated rounds after one
+    warm-up round."""
+    samples = [
+        SFTSample(prompt, prompt[-args.target_tokens :]) for prompt, _ in task.train[: args.tickets]
+    ]
+    layout, flat = _identity(policies["float32"], args.rank)
+    loss, adam = LossConfig(), AdamConfig(lr=args.lr)
+    times: dict[str, list[float]] = {name: [] for name in policies}
+    names = list(policies)
+    for rep in range(args.sft_reps + 1):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            state = AgentTrainState.create("x", layout, flat.clone())
+            slot = TrainingSlot(layout.numel, policies[name].device)
+            t0 = time.perf_counter()
+            train_step(policies[name], [slot], [AgentBatch(state, sft=samples)], loss, adam)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 # -- report ------------------------------------------------------------------------------------
 
 
@@ -356,6 +384,9 @@ def rows(args: argparse.Namespace, figures: dict[str, Any], within: int, total: 
     pairs = [a / b for a, b in zip(times["float32"], times["bfloat16"], strict=True)]
     speedup = median(pairs)
     gf = figures["flops"] / 1e9
+    sft = figures["sft_times"]
+    sft_pairs = [a / b for a, b in zip(sft["float32"], sft["bfloat16"], strict=True)]
+    sft_speedup = median(sft_pairs)
     final = {
         d: _mean_std([c.held_out_p[-1] for c in curves if c.dtype == d]) for d in COMPUTE_DTYPES
     }
@@ -377,6 +408,17 @@ def rows(args: argparse.Namespace, figures: dict[str, Any], within: int, total: 
             f"{speedup:.2f}x faster",
             ">= 1.8x",
             "yes" if speedup >= 1.8 else "no",
+        ),
+        Row(
+            "P2b",
+            f"one swap step on supervised targets ({args.tickets} rows of {args.target_tokens} "
+            f"scored tokens: the corrections' shape), bf16 vs fp32, median of {len(sft_pairs)} "
+            "alternated pairs",
+            f"bf16 {median(sft['bfloat16']):.2f} s",
+            f"fp32 {median(sft['float32']):.2f} s",
+            f"{sft_speedup:.2f}x faster",
+            ">= 1.8x",
+            "yes" if sft_speedup >= 1.8 else "no",
         ),
         Row(
             "P3",
@@ -430,12 +472,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="optimizer steps per curve (default 5; quick 2)")
     p.add_argument("--tickets", type=int, help="training tickets per step (default 8; quick 4)")
     p.add_argument("--eval", type=int, help="held-out tickets (default 32; quick 8)")
+    p.add_argument("--target-tokens", type=int, help="row 2b's tokens per target (default 32)")
+    p.add_argument("--sft-reps", type=int, help="row 2b's alternated rounds (default 5; quick 1)")
     p.add_argument("--gemm-reps", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args(argv)
-    quick_defaults(args, steps=(5, 2), tickets=(8, 4), eval=(32, 8))
+    quick_defaults(
+        args, steps=(5, 2), tickets=(8, 4), eval=(32, 8), target_tokens=(32, 8), sft_reps=(5, 1)
+    )
     return args
 
 
@@ -483,10 +529,19 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     )
     ratios = ratio_stats(policies, fresh, args.rank, args.seed)
     _progress(f"ratios: {ratios}")
+    sft_times = sft_step_times(policies, task, args)
+    _progress(f"supervised step seconds: {sft_times}")
     curves: list[Curve] = []
     for seed in range(args.seeds):
         curves += run_curves(p32, policies, task, args, seed).values()
-    return {"gemm": gemm, "flops": flops, "shape": shape, "ratios": ratios, "curves": curves}
+    return {
+        "gemm": gemm,
+        "flops": flops,
+        "shape": shape,
+        "ratios": ratios,
+        "sft_times": sft_times,
+        "curves": curves,
+    }
 
 
 def _identity(policy: DecoderPolicy, rank: int) -> tuple[LoRALayout, torch.Tensor]:
@@ -522,6 +577,7 @@ def run(argv: list[str]) -> int:
             "flops": figures["flops"],
             "shape": figures["shape"],
             "ratios": figures["ratios"],
+            "sft_times": figures["sft_times"],
             "curves": [asdict(c) for c in figures["curves"]],
         }
         args.json.write_text(json.dumps(raw, indent=1))

@@ -19,3 +19,4 @@ def test_bench_precision_quick_runs_both_dtypes(tmp_path: Path) -> None:
     assert all(len(c["held_out_p"]) == 2 for c in raw["curves"])
     assert raw["flops"] > 0 and set(raw["gemm"]) == set(COMPUTE_DTYPES)
     assert 0.8 < raw["ratios"]["min"] <= raw["ratios"]["max"] < 1.2
+    assert {d: len(t) for d, t in raw["sft_times"].items()} == dict.fromkeys(COMPUTE_DTYPES, 1)

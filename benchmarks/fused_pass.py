@@ -1,0 +1,132 @@
+"""`python -m benchmarks.fused_pass`: the training pass's fused pieces against the composites.
+
+`clora_feedback.train.fused` computes RMSNorm, SwiGLU and the head's
+log-probabilities with a hand-written backward (same values, fewer ops; the
+head's backward product in the compute dtype). This times one swap step
+(`train_step`) with those pieces and with the reference composites of
+`clora_feedback.model.decoder` put back in their place, alternated per
+repetition, in each compute dtype, on two batches of `--tickets` support
+tickets: one sampled first token each (the batch of `benchmarks.precision`'s
+step row) and supervised targets of `--target-tokens` tokens each (the shape of
+corrections). Reported: median seconds per step and composites / fused per
+batch and dtype. Prints the CPU model and flags. Not a test: nothing asserts.
+
+Not here: bf16 against fp32 (`python -m benchmarks.precision`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.precision import Task, _identity, rollout
+from benchmarks.shapes import finish
+from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES, Settings
+from clora_feedback.model import decoder
+from clora_feedback.model.resolve import resolve_model_dir
+from clora_feedback.train import forward
+from clora_feedback.train.loss import LossConfig
+from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
+from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot
+from clora_feedback.train.step import AgentBatch, SFTSample, train_step
+
+VARIANTS = ("fused", "composites")
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _head_logprobs(
+    hidden: torch.Tensor, head: torch.Tensor, _: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    return decoder.gather_logprobs(hidden, head, targets)
+
+
+def _composites() -> mock._patch[None]:
+    """The training pass with the reference composites in place of `train.fused`'s pieces."""
+    return mock.patch.multiple(
+        forward, rms_norm=decoder.rms_norm, swiglu=_swiglu, head_logprobs=_head_logprobs
+    )
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per step for each (batch, dtype, variant), the variants alternating."""
+    model_dir = resolve_model_dir(args.model, Settings().model_cache_dir)
+    policies = {
+        name: DecoderPolicy.from_dir(
+            model_dir, max_lora_rank=8, target_modules=DEFAULT_TARGET_MODULES, dtype=dtype
+        )
+        for name, dtype in COMPUTE_DTYPES.items()
+    }
+    p32 = policies["float32"]
+    task = Task.build(p32, seed=0, train=args.tickets, held_out=1)
+    layout, flat = _identity(p32, 8)
+    start = AgentTrainState.create("x", layout, flat)
+    first_tokens = rollout(p32, start, task.train, task, torch.Generator().manual_seed(0))
+    targets = [SFTSample(prompt, prompt[-args.target_tokens :]) for prompt, _ in task.train]
+    batches: dict[str, dict[str, Any]] = {
+        "first tokens": {"pg": first_tokens},
+        f"{args.target_tokens}-token targets": {"sft": targets},
+    }
+    loss, adam = LossConfig(), AdamConfig(lr=1e-3)
+    seconds: dict[str, list[float]] = {}
+    for rep in range(args.reps + 1):  # the first repetition warms up
+        for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
+            with _composites() if variant == "composites" else contextlib.nullcontext():
+                for batch_name, fields in batches.items():
+                    for name, policy in policies.items():
+                        state = AgentTrainState.create("x", layout, flat.clone())
+                        slot = TrainingSlot(layout.numel, policy.device)
+                        t0 = time.perf_counter()
+                        train_step(policy, [slot], [AgentBatch(state, **fields)], loss, adam)
+                        if rep:
+                            key = f"{batch_name}, {name}, {variant}"
+                            seconds.setdefault(key, []).append(time.perf_counter() - t0)
+    return seconds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fused_pass", description=__doc__)
+    p.add_argument("--tickets", type=int, default=8, help="Rows per step.")
+    p.add_argument("--target-tokens", type=int, default=32, help="Tokens per supervised target.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Base model (default: the default).")
+    p.add_argument("--reps", type=int, default=5, help="Measured repetitions per variant.")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")
+    p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    return p
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seconds = measure(args)
+    median = {key: statistics.median(values) for key, values in seconds.items()}
+    print(f"| step ({args.tickets} rows) | seconds (median of {args.reps}) |")
+    print("|---|---|")
+    for key, value in median.items():
+        print(f"| {key} | {value:.3f} |")
+    ratios = {
+        f"{key.removesuffix(', fused')}: composites / fused": median[
+            key.removesuffix("fused") + "composites"
+        ]
+        / value
+        for key, value in median.items()
+        if key.endswith(", fused")
+    }
+    return finish(args, ratios, {"seconds": seconds})
+
+
+if __name__ == "__main__":
+    sys.exit(run())
