@@ -68,8 +68,11 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
             model_dir, max_lora_rank=8, target_modules=DEFAULT_TARGET_MODULES, dtype=dtype
         )
         for name, dtype in COMPUTE_DTYPES.items()
+        if name in args.dtypes.split(",")
     }
-    p32 = policies["float32"]
+    p32 = DecoderPolicy.from_dir(
+        model_dir, max_lora_rank=8, target_modules=DEFAULT_TARGET_MODULES, dtype=torch.float32
+    )  # the rollout's policy, as the trainer's fp32 engine would sample
     task = Task.build(p32, seed=0, train=args.tickets, held_out=1)
     layout, flat = _identity(p32, 8)
     start = AgentTrainState.create("x", layout, flat)
@@ -102,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-tokens", type=int, default=32, help="Tokens per supervised target.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="Base model (default: the default).")
     p.add_argument("--reps", type=int, default=5, help="Measured repetitions per variant.")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="Compute dtypes to time.")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")
     p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
     return p
