@@ -731,8 +731,12 @@ class TrainerConfig(BaseModel):
         "master weights, gradients and Adam moments stay fp32, the log-softmax fp32. `auto`: "
         "bfloat16 where the hardware multiplies bf16 natively (AMX, AVX512-BF16, bf16 GPUs), "
         "float32 elsewhere: on a plain AVX2 CPU a bf16 step is several times slower "
-        "(docs/benchmarks.md, `python -m benchmarks.precision`). A dtype other than the "
-        "engine's gives the trainer its own copy of the base.",
+        "(docs/benchmarks.md, `python -m benchmarks.precision`). Keep it the serving engine's "
+        "dtype (`auto` for both does; start-up warns otherwise): bf16 rounds away LoRA updates "
+        "smaller than half a unit in the last place of a projection, so a trainer in another "
+        "dtype than the behaviour logprobs' drifts from them as the adapter trains and its "
+        "clipped objective drops samples. A dtype other than the engine's gives the trainer "
+        "its own copy of the base.",
     )
     nice: int = Field(
         10,

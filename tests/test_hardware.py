@@ -2,7 +2,8 @@
 
 The rule is read from CPU flags (fake /proc/cpuinfo texts here, so every CPU
 class is checked on any machine); an explicit dtype always wins; the engine
-states what it picked, and on which CPU, when it starts.
+states what it picked, and on which CPU, when it starts; a trainer set to
+another dtype than the engine serves in is warned about.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import clora_feedback.hardware as hardware
-from clora_feedback.config import EngineConfig, TrainerConfig
+from clora_feedback.config import EngineConfig, Settings, TrainerConfig
 from clora_feedback.engine.embedded import EmbeddedEngine
 from clora_feedback.hardware import (
     DTYPES,
@@ -25,6 +26,7 @@ from clora_feedback.hardware import (
     read_cpu_features,
     resolve_dtype,
 )
+from clora_feedback.service.parts import dtype_mismatch, serving_dtype
 
 _EPYC_AVX2 = "model name\t: AMD EPYC 7B12\nflags\t\t: fpu sse2 avx avx2 fma\n"
 _EPYC_BF16 = (
@@ -69,6 +71,26 @@ def test_cpu_facts_are_read_from_cpuinfo() -> None:
 def test_engine_and_trainer_default_to_auto() -> None:
     assert EngineConfig().dtype == "auto"
     assert TrainerConfig().compute_dtype == "auto"
+
+
+def test_a_trainer_in_another_dtype_than_the_engine_is_warned_about() -> None:
+    """Behaviour logprobs of one dtype against a trainer's of another drift apart as the
+    adapter trains (`benchmarks.precision --serving float32`): say so at start-up."""
+    fp32, bf16 = torch.float32, torch.bfloat16
+
+    def settings(**engine: object) -> Settings:
+        return Settings.model_validate({"engine": engine})
+
+    embedded = settings(dtype="float32")
+    assert serving_dtype(embedded) == fp32
+    warning = dtype_mismatch(embedded, bf16)
+    assert warning is not None and "float32" in warning and "bfloat16" in warning
+    assert dtype_mismatch(embedded, fp32) is None
+    assert dtype_mismatch(settings(), resolve_dtype("auto", "cpu")) is None  # auto for both
+    local = settings(kind="vllm", vllm={"local": {"enabled": True, "dtype": "bfloat16"}})
+    assert serving_dtype(local) == bf16 and dtype_mismatch(local, fp32) is not None
+    remote = settings(kind="vllm", vllm={"urls": ["http://127.0.0.1:8100"]})
+    assert serving_dtype(remote) is None and dtype_mismatch(remote, bf16) is None
 
 
 def test_the_engine_states_its_dtype_and_cpu_at_start(

@@ -17,13 +17,15 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from clora_feedback.config import DEFAULT_MODEL, Settings
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.embedded import EmbeddedEngine, resolve_device
 from clora_feedback.errors import ConflictError
 from clora_feedback.feedback.rewards import DefaultRewardPolicy
 from clora_feedback.feedback.store import FeedbackStore
-from clora_feedback.hardware import dtype_name, resolve_dtype
+from clora_feedback.hardware import DTYPES, dtype_name, resolve_dtype
 from clora_feedback.lora.weights import LoRALimits
 from clora_feedback.model.resolve import resolve_model_dir
 from clora_feedback.store.db import is_postgres_url
@@ -113,6 +115,9 @@ def policy_model(settings: Settings, model: Model, engine: Engine | None) -> Pol
         dtype_name(compute),
         settings.trainer.compute_dtype,
     )
+    mismatch = dtype_mismatch(settings, compute)
+    if mismatch is not None:
+        log.warning(mismatch)
     if isinstance(engine, EmbeddedEngine):
         return DecoderPolicy.shared_with(engine, compute_dtype=compute)
     return DecoderPolicy.from_dir(
@@ -123,6 +128,41 @@ def policy_model(settings: Settings, model: Model, engine: Engine | None) -> Pol
         max_model_len=settings.engine.max_model_len,
         dtype=compute,
         device=resolve_device(settings.engine.device),
+    )
+
+
+def serving_dtype(settings: Settings) -> torch.dtype | None:
+    """The dtype the serving engine computes in, where the settings say: the embedded
+    engine's, or a local vLLM server's explicit `--dtype`; None when they do not (servers at
+    `engine.vllm.urls`, a local server on `auto`)."""
+    engine = settings.engine
+    if engine.kind == "embedded":
+        return resolve_dtype(engine.dtype, resolve_device(engine.device))
+    local = engine.vllm.local
+    if not engine.vllm.urls and local.enabled and local.dtype != "auto":
+        return DTYPES[local.dtype]
+    return None
+
+
+def dtype_mismatch(settings: Settings, compute: torch.dtype) -> str | None:
+    """The warning for a trainer computing in another dtype than the engine serves in, else None.
+
+    Behaviour logprobs come from the serving engine; the trainer scores the same tokens in
+    its compute dtype. In bf16 a LoRA update smaller than half a unit in the last place of
+    the base projection's output is rounded away, so a bf16 pass sees less of a trained
+    adapter than an fp32 one: against fp32 behaviour logprobs the importance ratios of a
+    bf16 trainer drift as the adapter trains, and the clipped objective drops the samples
+    it should learn from (`python -m benchmarks.precision --serving float32`: its clipped
+    fractions and curve).
+    """
+    serving = serving_dtype(settings)
+    if serving is None or serving == compute:
+        return None
+    return (
+        f"trainer.compute_dtype resolves to {dtype_name(compute)} but the engine serves in "
+        f"{dtype_name(serving)}: the trainer's log-probabilities drift from the behaviour "
+        "log-probabilities as the adapter trains, and clipped samples teach nothing; set "
+        "engine.dtype and trainer.compute_dtype alike (`auto` for both does)"
     )
 
 
