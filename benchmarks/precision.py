@@ -15,18 +15,23 @@
    logprob) per token: what the clipped objective sees at ratio 1.
 4. Learning curve: support triage (`demo/support.py`: the six worked examples,
    operator rewards) as a one-token bandit, since a reply's first token decides
-   its routing: per step, `--tickets` training tickets are rolled out by the
-   fp32 policy at temperature 0.8 (sampled first token, its temperature-1
-   logprob recorded as the engine records it), rewarded 1.0 when `route_of`
-   that token is the ticket's team, and one `train_step` runs in the compute
-   dtype under test. The held-out metric after each step is the mean
-   probability (temperature 1) of a right first token on `--eval` held-out
-   tickets, plus greedy accuracy. Both dtypes see the same tickets and the
-   same sampling random numbers per seed; `--seeds` seeds; mean ± std per step.
+   its routing: per step, `--tickets` training tickets are rolled out at
+   temperature 0.8 (sampled first token, its temperature-1 logprob recorded as
+   the engine records it), rewarded 1.0 when `route_of` that token is the
+   ticket's team, and one `train_step` runs in the compute dtype under test.
+   The held-out metric after each step is the mean probability (temperature 1)
+   of a right first token on `--eval` held-out tickets, plus greedy accuracy.
+   Both dtypes see the same tickets and the same sampling random numbers per
+   seed; `--seeds` seeds; mean ± std per step, with the share of samples the
+   clipped objective dropped. The optimizer is the trainer's default
+   (`trainer.lr`, `trainer.warmup_steps`). `--serving` says what serves each arm
+   (rolls out and answers the held-out tickets): `same` (default), the arm's own
+   dtype, as `auto` sets `engine.dtype` and `trainer.compute_dtype` alike; `float32`,
+   an fp32 engine for both arms, which a bf16 trainer does not match (see
+   `service.parts.dtype_mismatch`).
 
 No HTTP, no engine: the rollouts use the trainer's own forward
-(`train.forward.next_token_logprobs`) with the current fp32 masters, so the
-only difference between the two arms is the trainer's compute dtype.
+(`train.forward.next_token_logprobs`) with the arm's current fp32 masters.
 `--quick` runs everything on the tiny random model (a smoke test).
 
 Not here: the trainer's other costs (`bench train`), serving (`bench serve`).
@@ -55,7 +60,7 @@ from clora_feedback.bench.report import (
     median,
     quick_defaults,
 )
-from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES
+from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES, TrainerConfig
 from clora_feedback.demo import support
 from clora_feedback.model.config import ModelConfig
 from clora_feedback.train.forward import (
@@ -240,7 +245,7 @@ def run_curves(
     """
     limits = rollout_policy.lora_limits
     layout = LoRALayout.build(limits, args.rank, 2.0 * args.rank, tuple(limits.target_modules))
-    loss, adam = LossConfig(), AdamConfig(lr=args.lr)
+    loss, adam = LossConfig(), AdamConfig(lr=args.lr, warmup_steps=args.warmup_steps)
     arms = {}
     for name, policy in trainers.items():
         state = AgentTrainState.create("support", layout, init_lora(layout, seed=seed))
@@ -250,8 +255,12 @@ def run_curves(
             torch.Generator().manual_seed(seed),
         )
     curves = {name: Curve(name, seed) for name in trainers}
-    p, acc = evaluate(rollout_policy, arms["float32"][0], task)  # both start from one adapter
-    for c in curves.values():
+    serving = {
+        name: policy if args.serving == "same" else rollout_policy
+        for name, policy in trainers.items()
+    }
+    for name, c in curves.items():  # both start from one adapter
+        p, acc = evaluate(serving[name], arms[name][0], task)
         c.held_out_p.append(p)
         c.held_out_acc.append(acc)
     order = random.Random(seed)
@@ -260,7 +269,7 @@ def run_curves(
         tickets = order.sample(task.train, args.tickets)
         for name in names if step % 2 == 0 else names[::-1]:
             state, slot, gen = arms[name]
-            samples = rollout(rollout_policy, state, tickets, task, gen)
+            samples = rollout(serving[name], state, tickets, task, gen)
             t0 = time.perf_counter()
             batch = AgentBatch(state, samples)
             result = train_step(trainers[name], [slot], [batch], loss, adam)[0]
@@ -269,7 +278,7 @@ def run_curves(
             out.reward.append(result.reward_mean)
             out.ratio_mean.append(result.ratio_mean)
             out.clip_frac.append(result.clip_frac)
-            p, acc = evaluate(rollout_policy, state, task)
+            p, acc = evaluate(serving[name], state, task)
             out.held_out_p.append(p)
             out.held_out_acc.append(acc)
             _progress(
@@ -317,7 +326,7 @@ def sft_step_times(
         SFTSample(prompt, prompt[-args.target_tokens :]) for prompt, _ in task.train[: args.tickets]
     ]
     layout, flat = _identity(policies["float32"], args.rank)
-    loss, adam = LossConfig(), AdamConfig(lr=args.lr)
+    loss, adam = LossConfig(), AdamConfig(lr=args.lr, warmup_steps=args.warmup_steps)
     times: dict[str, list[float]] = {name: [] for name in policies}
     names = list(policies)
     for rep in range(args.sft_reps + 1):
@@ -339,18 +348,20 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def curve_table(curves: list[Curve]) -> tuple[str, int, int]:
-    """Per-step mean ± std over seeds for both dtypes; (Markdown, steps within 1 std, steps)."""
+    """Per-step mean ± std over seeds for both dtypes; (Markdown, trained steps within 1 std,
+    trained steps). Step 0 is the untrained adapter (the base model) served in each arm's
+    dtype: a row, not a verdict."""
     by = {d: [c for c in curves if c.dtype == d] for d in COMPUTE_DTYPES}
     steps = len(by["float32"][0].held_out_p)
     lines = [
         "| step | reward fp32 | reward bf16 | held-out p(right) fp32 | held-out p(right) bf16 "
-        "| held-out acc fp32 | held-out acc bf16 | within 1 std |",
-        "|---|---|---|---|---|---|---|---|",
+        "| held-out acc fp32 | held-out acc bf16 | clipped fp32 | clipped bf16 | within 1 std |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     within = 0
     for s in range(steps):
         cells = [str(s)]
-        for metric in ("reward", "held_out_p", "held_out_acc"):
+        for metric in ("reward", "held_out_p", "held_out_acc", "clip_frac"):
             for d in COMPUTE_DTYPES:
                 values = getattr_list(by[d], metric, s)
                 cells.append(
@@ -358,11 +369,11 @@ def curve_table(curves: list[Curve]) -> tuple[str, int, int]:
                 )
         m32, sd32 = _mean_std(getattr_list(by["float32"], "held_out_p", s))
         m16, _ = _mean_std(getattr_list(by["bfloat16"], "held_out_p", s))
-        ok = abs(m16 - m32) <= sd32 or m16 == m32  # step 0: the same (fp32) evaluation
-        within += ok
-        cells.append("yes" if ok else "no")
+        ok = abs(m16 - m32) <= sd32
+        within += ok and s > 0
+        cells.append("-" if s == 0 else "yes" if ok else "no")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines), within, steps
+    return "\n".join(lines), within, steps - 1
 
 
 def getattr_list(curves: list[Curve], metric: str, step: int) -> list[float]:
@@ -441,8 +452,9 @@ def rows(args: argparse.Namespace, figures: dict[str, Any], within: int, total: 
         Row(
             "P5",
             f"support triage, held-out p(right first token) after {args.steps} steps "
-            f"({args.tickets} tickets/step, {len(curves) // 2} seeds); steps within 1 std: "
-            f"{within}/{total}",
+            f"({args.tickets} tickets/step, {len(curves) // 2} seeds, each arm served in "
+            f"{'its own dtype' if args.serving == 'same' else 'fp32'}); trained steps within "
+            f"1 std: {within}/{total}",
             f"bf16 {final['bfloat16'][0]:.3f} ± {final['bfloat16'][1]:.3f}",
             f"fp32 {final['float32'][0]:.3f} ± {final['float32'][1]:.3f}",
             f"|diff| {gap:.3f}",
@@ -467,7 +479,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-cache", type=Path, default=Path("var/models"), help="model cache root")
     p.add_argument("--quick", action="store_true", help="tiny random model, a few steps")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8, the trainer's)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    trainer = TrainerConfig()
+    p.add_argument(
+        "--lr", type=float, default=trainer.lr, help="AdamW learning rate (trainer.lr: %(default)s)"
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=trainer.warmup_steps,
+        help="learning-rate warm-up steps (trainer.warmup_steps: %(default)s)",
+    )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, help="optimizer steps per curve (default 5; quick 2)")
     p.add_argument("--tickets", type=int, help="training tickets per step (default 8; quick 4)")
@@ -477,6 +498,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gemm-reps", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--serving",
+        choices=("same", "float32"),
+        default="same",
+        help="what rolls out and answers for each arm: its own dtype (default) or fp32",
+    )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args(argv)
     quick_defaults(
