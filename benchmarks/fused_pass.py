@@ -63,16 +63,14 @@ def _composites() -> mock._patch[None]:
 def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     """Seconds per step for each (batch, dtype, variant), the variants alternating."""
     model_dir = resolve_model_dir(args.model, Settings().model_cache_dir)
-    policies = {
-        name: DecoderPolicy.from_dir(
+
+    def load(dtype: torch.dtype) -> DecoderPolicy:
+        return DecoderPolicy.from_dir(
             model_dir, max_lora_rank=8, target_modules=DEFAULT_TARGET_MODULES, dtype=dtype
         )
-        for name, dtype in COMPUTE_DTYPES.items()
-        if name in args.dtypes.split(",")
-    }
-    p32 = DecoderPolicy.from_dir(
-        model_dir, max_lora_rank=8, target_modules=DEFAULT_TARGET_MODULES, dtype=torch.float32
-    )  # the rollout's policy, as the trainer's fp32 engine would sample
+
+    policies = {name: load(COMPUTE_DTYPES[name]) for name in args.dtypes}
+    p32 = policies.get("float32") or load(torch.float32)  # samples the first-token batch
     task = Task.build(p32, seed=0, train=args.tickets, held_out=1)
     layout, flat = _identity(p32, 8)
     start = AgentTrainState.create("x", layout, flat)
@@ -105,14 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-tokens", type=int, default=32, help="Tokens per supervised target.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="Base model (default: the default).")
     p.add_argument("--reps", type=int, default=5, help="Measured repetitions per variant.")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="Compute dtypes to time.")
+    p.add_argument(
+        "--dtypes",
+        type=lambda text: text.split(","),
+        default=list(COMPUTE_DTYPES),
+        help="Compute dtypes to time, comma-separated (default: float32,bfloat16).",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")
     p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
     return p
 
 
 def run(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = set(args.dtypes) - set(COMPUTE_DTYPES)
+    if unknown:
+        parser.error(f"--dtypes: unknown {sorted(unknown)} (known: {', '.join(COMPUTE_DTYPES)})")
     if args.threads:
         torch.set_num_threads(args.threads)
     seconds = measure(args)

@@ -6,7 +6,7 @@
 2. Step time: one swap step (the trainer's `train_step`) on the same batch of
    support-triage rows, fp32 and bf16 alternated; FLOPs per step from the model
    shape and the tokens (`training_flops`), achieved GFLOP/s against (1).
-   2b: the same tickets as supervised targets of `--target-tokens` tokens each
+   2b: `--tickets` training tickets as supervised targets of `--target-tokens` tokens each
    (the shape of corrections and replayed examples: many scored tokens a row,
    where the vocabulary projection and its backward weigh more); the targets
    are the last tokens of each ticket's prompt, since only the shape sets the time.
@@ -26,9 +26,12 @@
    clipped objective dropped. The optimizer is the trainer's default
    (`trainer.lr`, `trainer.warmup_steps`). `--serving` says what serves each arm
    (rolls out and answers the held-out tickets): `same` (default), the arm's own
-   dtype, as `auto` sets `engine.dtype` and `trainer.compute_dtype` alike; `float32`,
-   an fp32 engine for both arms, which a bf16 trainer does not match (see
-   `service.parts.dtype_mismatch`).
+   pass in its own dtype, so behaviour logprobs and the trainer's agree (ratio 1, as a
+   step's first scoring of fresh samples: nothing is clipped by construction), the
+   pairing `auto` aims at by setting `engine.dtype` and `trainer.compute_dtype` alike
+   (the embedded engine's own bf16 pass rounds the same way in its projections, but
+   computes its logits in bf16); `float32`, an fp32 engine for both arms, which a bf16
+   trainer does not match (see `service.parts.dtype_mismatch`).
 
 No HTTP, no engine: the rollouts use the trainer's own forward
 (`train.forward.next_token_logprobs`) with the arm's current fp32 masters.
@@ -239,7 +242,8 @@ def run_curves(
     """`args.steps` bandit steps of one seed for every compute dtype, in lockstep.
 
     Each arm has its own adapter, rollouts and random numbers (seeded alike, so
-    step 1 trains both on the very same batch); per step the arms take turns in
+    with `--serving float32` step 1 trains both on the very same batch; with `same`
+    the sampled tokens may differ where the dtypes' probabilities do); per step the arms take turns in
     alternating order, so their step times form alternated pairs on batches of
     one shape (the same tickets, one sampled token each).
     """

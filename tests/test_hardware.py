@@ -18,7 +18,7 @@ import torch
 
 import clora_feedback.hardware as hardware
 from clora_feedback.config import EngineConfig, Settings, TrainerConfig
-from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.engine.embedded import EmbeddedEngine, resolve_device
 from clora_feedback.hardware import (
     DTYPES,
     CPUFeatures,
@@ -82,13 +82,16 @@ def test_a_trainer_in_another_dtype_than_the_engine_is_warned_about() -> None:
         return Settings.model_validate({"engine": engine})
 
     embedded = settings(dtype="float32")
-    assert serving_dtype(embedded) == fp32
+    assert serving_dtype(embedded) == (fp32, "engine.dtype")
     warning = dtype_mismatch(embedded, bf16)
     assert warning is not None and "float32" in warning and "bfloat16" in warning
     assert dtype_mismatch(embedded, fp32) is None
-    assert dtype_mismatch(settings(), resolve_dtype("auto", "cpu")) is None  # auto for both
+    auto = resolve_dtype("auto", resolve_device("auto"))  # what both resolve `auto` to
+    assert dtype_mismatch(settings(), auto) is None
     local = settings(kind="vllm", vllm={"local": {"enabled": True, "dtype": "bfloat16"}})
-    assert serving_dtype(local) == bf16 and dtype_mismatch(local, fp32) is not None
+    assert serving_dtype(local) == (bf16, "engine.vllm.local.dtype")
+    warning = dtype_mismatch(local, fp32)
+    assert warning is not None and "engine.vllm.local.dtype" in warning
     remote = settings(kind="vllm", vllm={"urls": ["http://127.0.0.1:8100"]})
     assert serving_dtype(remote) is None and dtype_mismatch(remote, bf16) is None
 

@@ -131,16 +131,17 @@ def policy_model(settings: Settings, model: Model, engine: Engine | None) -> Pol
     )
 
 
-def serving_dtype(settings: Settings) -> torch.dtype | None:
-    """The dtype the serving engine computes in, where the settings say: the embedded
-    engine's, or a local vLLM server's explicit `--dtype`; None when they do not (servers at
+def serving_dtype(settings: Settings) -> tuple[torch.dtype, str] | None:
+    """The dtype the serving engine computes in and the setting that says so, where the
+    settings say: the embedded engine's (`engine.dtype`), or a local vLLM server's explicit
+    `--dtype` (`engine.vllm.local.dtype`); None when they do not (servers at
     `engine.vllm.urls`, a local server on `auto`)."""
     engine = settings.engine
     if engine.kind == "embedded":
-        return resolve_dtype(engine.dtype, resolve_device(engine.device))
+        return resolve_dtype(engine.dtype, resolve_device(engine.device)), "engine.dtype"
     local = engine.vllm.local
     if not engine.vllm.urls and local.enabled and local.dtype != "auto":
-        return DTYPES[local.dtype]
+        return DTYPES[local.dtype], "engine.vllm.local.dtype"
     return None
 
 
@@ -156,13 +157,14 @@ def dtype_mismatch(settings: Settings, compute: torch.dtype) -> str | None:
     fractions and curve).
     """
     serving = serving_dtype(settings)
-    if serving is None or serving == compute:
+    if serving is None or serving[0] == compute:
         return None
+    dtype, setting = serving
     return (
         f"trainer.compute_dtype resolves to {dtype_name(compute)} but the engine serves in "
-        f"{dtype_name(serving)}: the trainer's log-probabilities drift from the behaviour "
-        "log-probabilities as the adapter trains, and clipped samples teach nothing; set "
-        "engine.dtype and trainer.compute_dtype alike (`auto` for both does)"
+        f"{dtype_name(dtype)} ({setting}): the trainer's log-probabilities drift from the "
+        "behaviour log-probabilities as the adapter trains, and clipped samples teach "
+        f"nothing; keep trainer.compute_dtype and {setting} alike"
     )
 
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from clora_feedback.model.decoder import gather_logprobs
+
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
@@ -101,13 +103,11 @@ class _HeadLogprobs(torch.autograd.Function):
             saved.append(lp)
         ctx.save_for_backward(head_compute, targets, *saved)
         ctx.chunk = chunk  # type: ignore[attr-defined]
-        return torch.cat(outs) if outs else hidden.new_zeros(0)
+        return torch.cat(outs)
 
     @staticmethod
     @once_differentiable
-    def backward(
-        ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         head_compute, targets, *saved = ctx.saved_tensors
         parts = []
         for lp, wanted, g in zip(
@@ -116,8 +116,8 @@ class _HeadLogprobs(torch.autograd.Function):
             # d lp[t] / d logits = onehot(t) - softmax
             d_logits = lp.exp().mul_(-g.unsqueeze(1))
             d_logits.scatter_add_(1, wanted.unsqueeze(1), g.unsqueeze(1))
-            parts.append((d_logits.to(head_compute.dtype) @ head_compute).float())
-        return torch.cat(parts) if parts else None, None, None, None, None
+            parts.append((d_logits.to(head_compute.dtype) @ head_compute).to(grad.dtype))
+        return torch.cat(parts), None, None, None, None
 
 
 def head_logprobs(
@@ -134,5 +134,11 @@ def head_logprobs(
         head: [V, hidden] the fp32 vocabulary projection (the forward's logits).
         head_compute: the same weights in the compute dtype (the backward's product).
         targets: [N] token ids.
+
+    Without a gradient to compute (the reference pass, evaluation) it is the reference
+    `gather_logprobs`, which keeps one chunk's logits at a time instead of every chunk's
+    log-softmax for a backward.
     """
+    if not (torch.is_grad_enabled() and hidden.requires_grad):
+        return gather_logprobs(hidden, head, targets, chunk)
     return _HeadLogprobs.apply(hidden, head, head_compute, targets, chunk)
