@@ -10,6 +10,7 @@ from the repository root prints its measured ratios as a Markdown table.
   interference with serving; `publish`, `staleness`);
 - `precision`: training in bf16 compute against fp32;
 - `fused_pass`: the training pass's fused pieces against the reference composites;
+- `engine_ratio`: the trainer's logprobs against the embedded engine's on fresh samples;
 - `prefix`: time to first token with the prefix cache on and off.
 
 They reach into `engine`, `train` and `lora` internals on purpose (that is what
