@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.shapes import add_dtypes_option
 from clora_feedback.bench.report import machine_facts
 from clora_feedback.config import DEFAULT_MODEL, EngineConfig, Settings
 from clora_feedback.engine.embedded import EmbeddedEngine
@@ -34,7 +35,7 @@ from clora_feedback.engine.types import GenerationRequest, SamplingParams
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.model.resolve import resolve_model_dir
 from clora_feedback.train.forward import PackedBatch, TrainLoRA
-from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
+from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.state import LoRALayout
 
 PROMPTS = (
@@ -93,22 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help=f"Prompts (at most {len(PROMPTS)}).")
     p.add_argument("--tokens", type=int, default=32, help="Tokens sampled per prompt.")
     p.add_argument("--std", type=float, default=0.02, help="The random adapter's weight std.")
-    p.add_argument(
-        "--dtypes",
-        type=lambda text: text.split(","),
-        default=list(COMPUTE_DTYPES),
-        help="Engine and trainer dtypes, comma-separated (default: float32,bfloat16).",
-    )
+    add_dtypes_option(p, "Engine and trainer dtypes")
     p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
     return p
 
 
 def run(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    unknown = set(args.dtypes) - set(COMPUTE_DTYPES)
-    if unknown:
-        parser.error(f"--dtypes: unknown {sorted(unknown)} (known: {', '.join(COMPUTE_DTYPES)})")
+    args = build_parser().parse_args(argv)
     model_dir = resolve_model_dir(args.model, Settings().model_cache_dir)
     figures: dict[str, dict[str, float]] = {}
     print(f"| engine and trainer dtype ({args.prompts} prompts x {args.tokens} tokens) "

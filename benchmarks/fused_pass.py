@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.precision import Task, _identity, rollout
-from benchmarks.shapes import finish
+from benchmarks.shapes import add_dtypes_option, finish
 from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES, Settings
 from clora_feedback.model import decoder
 from clora_feedback.model.resolve import resolve_model_dir
@@ -103,23 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-tokens", type=int, default=32, help="Tokens per supervised target.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="Base model (default: the default).")
     p.add_argument("--reps", type=int, default=5, help="Measured repetitions per variant.")
-    p.add_argument(
-        "--dtypes",
-        type=lambda text: text.split(","),
-        default=list(COMPUTE_DTYPES),
-        help="Compute dtypes to time, comma-separated (default: float32,bfloat16).",
-    )
+    add_dtypes_option(p, "Compute dtypes to time")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")
     p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
     return p
 
 
 def run(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    unknown = set(args.dtypes) - set(COMPUTE_DTYPES)
-    if unknown:
-        parser.error(f"--dtypes: unknown {sorted(unknown)} (known: {', '.join(COMPUTE_DTYPES)})")
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     seconds = measure(args)

@@ -1,5 +1,6 @@
-"""What the in-process batch-shape benchmarks share (`mixed_rows`, `fused_prefill`): their
-common options and their closing lines (ratios, the CPU's facts, the optional JSON record).
+"""What the in-process benchmarks share: the batch-shape ones' (`mixed_rows`, `fused_prefill`)
+common options and closing lines (ratios, the CPU's facts, the optional JSON record), and a
+`--dtypes` option (`fused_pass`, `engine_ratio`).
 
 Not here: the shapes each one measures.
 """
@@ -13,6 +14,25 @@ from typing import Any
 
 from clora_feedback.bench.report import machine_facts
 from clora_feedback.config import DEFAULT_MODEL
+
+
+def add_dtypes_option(p: argparse.ArgumentParser, help_text: str) -> None:
+    """`--dtypes`: compute dtypes, comma-separated (default: every one), unknown names refused."""
+    from clora_feedback.train.policy import COMPUTE_DTYPES
+
+    def names(text: str) -> list[str]:
+        chosen = text.split(",")
+        unknown = sorted(set(chosen) - set(COMPUTE_DTYPES))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown} (known: {list(COMPUTE_DTYPES)})")
+        return chosen
+
+    p.add_argument(
+        "--dtypes",
+        type=names,
+        default=list(COMPUTE_DTYPES),
+        help=f"{help_text}, comma-separated (default: {','.join(COMPUTE_DTYPES)}).",
+    )
 
 
 def add_engine_options(p: argparse.ArgumentParser, *, dtype: str) -> None:
