@@ -24,6 +24,10 @@ region; between regions the team's workers wait for the next one. Measured on
   team).
 
 The user's `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`, and `engine.num_threads`, win.
+Every `clora` command calls `configure_waits` first and runs inside
+`main_thread_alone`; so do `examples/*.py` (`demo.proof.main`). Code that builds the
+service itself can do the same: `configure_waits()` before torch loads, its
+compute inside `with main_thread_alone():`.
 
 Not here: which kernels the CPU runs (`hardware`), thread priorities (`priority`).
 """

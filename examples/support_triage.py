@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import sys
 
-from clora_feedback.demo.experiment import ExperimentConfig
-from clora_feedback.demo.proof import main
+from clora_feedback.cores import configure_waits
+
+configure_waits()  # before torch loads, as every `clora` command does (see `cores`)
+
+from clora_feedback.demo.experiment import ExperimentConfig  # noqa: E402
+from clora_feedback.demo.proof import main  # noqa: E402
 
 SUPPORT = ExperimentConfig(
     workload="support",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -44,6 +47,32 @@ class _Proc:
         load = OtherLoad(1.0, stat=self.stat, own=self.own, clock=lambda: self.now)
         load._ticks = 100
         return load
+
+
+_WATCH_TORCH = """
+import os, runpy, sys
+seen = {}
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and "torch" not in seen:
+            seen["torch"] = os.environ.get("GOMP_SPINCOUNT")
+sys.meta_path.insert(0, Watch())
+runpy.run_path(sys.argv[1], run_name="example")
+import torch  # what the example's main() loads next, if its imports did not
+print(seen["torch"])
+"""
+
+
+@pytest.mark.parametrize("example", ["support_triage.py", "tool_use.py"])
+def test_the_examples_set_the_waits_before_torch_loads(example: str) -> None:
+    """`python examples/X.py` is not a `clora` command: it sets the spin itself, first."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    path = Path(__file__).resolve().parent.parent / "examples" / example
+    out = subprocess.run(
+        [sys.executable, "-c", _WATCH_TORCH, str(path)],
+        env=env, capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    assert out.stdout.strip() == str(SPIN_COUNT)
 
 
 def test_other_load_is_the_busy_time_this_process_did_not_use(tmp_path: Path) -> None:

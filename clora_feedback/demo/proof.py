@@ -200,5 +200,8 @@ def main(argv: Sequence[str], defaults: ExperimentConfig, *, goal: float | None,
 
     model_dir = resolve_model_dir(args.model, args.model_cache or Settings().model_cache_dir)
     seeds = [int(s) for s in args.seeds.split(",")]
-    run_proof(cfg, seeds, modes, args.out, model_dir, work=args.work, goal=goal, title=title)
+    from clora_feedback.cores import main_thread_alone
+
+    with main_thread_alone():  # the engine thread's pool is the process's only one
+        run_proof(cfg, seeds, modes, args.out, model_dir, work=args.work, goal=goal, title=title)
     return 0
