@@ -47,10 +47,19 @@ class RoleProcess:
         args: the `clora` arguments, e.g. `["train", "--config", "s.json"]`.
         log_dir: where the log goes.
         env: extra environment variables.
+        passive: idle OpenMP workers sleep (`OMP_WAIT_POLICY=PASSIVE`): several roles share
+            the cores. False: the child waits as this process does (one role alone, as
+            `clora serve` runs by default).
     """
 
     def __init__(
-        self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        passive: bool = True,
     ) -> None:
         self.name = name
         self.args = args
@@ -58,7 +67,8 @@ class RoleProcess:
         # The child imports the same code as this process, wherever it was started from.
         root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": path, **(env or {})}
+        waits = {"OMP_WAIT_POLICY": "PASSIVE"} if passive else {}
+        self.env = {**os.environ, **waits, "PYTHONPATH": path, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         log_dir.mkdir(parents=True, exist_ok=True)
 

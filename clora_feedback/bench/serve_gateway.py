@@ -1,8 +1,8 @@
 """`clora bench serve`: the serving figures a user sees, through HTTP, side by side in one run.
 
 Each target is an OpenAI-compatible server driven by the same client
-(`http_workload`): the gateway (`create_app` under uvicorn on loopback) on
-the embedded engine, once per `--dtypes` entry, and optionally any other
+(`http_workload`): `clora serve` on the embedded engine in a process of its
+own, on loopback, once per `--dtypes` entry, and optionally any other
 server (`--against URL`, e.g. vLLM-CPU). Each target gets 8 random rank-8
 PEFT adapters on all seven projections (`save_peft_adapter`), loaded with
 `POST /v1/load_lora_adapter`. Every request is a streamed chat completion,
@@ -63,6 +63,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -77,7 +78,7 @@ from clora_feedback.bench.http_workload import (
     unload_adapters,
 )
 from clora_feedback.bench.report import machine_facts
-from clora_feedback.config import DEFAULT_MODEL, EngineConfig, Settings
+from clora_feedback.config import DEFAULT_MODEL, EngineConfig
 from clora_feedback.model.config import ModelConfig
 
 PROMPTS = tuple(
@@ -108,6 +109,7 @@ FOLLOW_UPS = tuple(
 )
 SIDES = {"together": 1, "serial": 2}  # figure 6's two sides, and their digit in ticket numbers
 ADAPTER_RANK = 8
+GATEWAY_MAX_RANK = 16  # the gateways' engine.max_lora_rank
 MEMORY_BANDWIDTH_GBPS = 27.0  # copy bandwidth of the reference machines (docs/benchmarks.md)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FIGURES = ("single", "prompts8", "mixed", "one")
@@ -298,47 +300,64 @@ async def _run_targets(targets: list[Target], peft: dict[str, Path], o: Options)
 
 
 async def measure(o: Options) -> tuple[list[Target], ModelConfig]:
-    """Start a gateway per dtype, write the adapters, and take every figure on every target."""
-    from clora_feedback.demo.server import LocalServer
+    """Start a gateway per dtype, write the adapters, and take every figure on every target.
+
+    Each gateway is `clora serve` in a process of its own, as users run it: in this
+    process its event loop would share the GIL with the benchmark's client, which caps
+    what one stream can show.
+    """
+    from clora_feedback.bench.roles import RoleProcess, free_port, wait_healthy, write_settings
     from clora_feedback.lora.peft_io import save_peft_adapter
-    from clora_feedback.lora.weights import random_lora_weights
+    from clora_feedback.lora.weights import LoRALimits, random_lora_weights
     from clora_feedback.model.resolve import resolve_model_dir
-    from clora_feedback.service import build_service
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model_dir = resolve_model_dir(o.model, o.cache_dir)
+    config = ModelConfig.from_dir(model_dir)
     targets: list[Target] = []
     with tempfile.TemporaryDirectory(prefix="clora-bench-serve-") as scratch, contextlib.ExitStack() as stack:  # fmt: skip
         work = Path(scratch)
-        services = []
         for dtype in o.dtypes:
-            service = build_service(gateway_settings(model_dir, work / f"gw-{dtype}", dtype, o))
-            services.append(service)
-            server = stack.enter_context(LocalServer(service))
-            targets.append(Target(f"embedded {dtype}", server.url, dtype))
-        engine = services[0].engine
+            data = work / f"gw-{dtype}"
+            settings = write_settings(
+                data / "settings.json", gateway_settings(model_dir, data, dtype, o)
+            )
+            port = free_port()
+            args = ["serve", "--config", str(settings), "--port", str(port)]
+            gateway = RoleProcess(f"gateway-{dtype}", args, work / "logs", passive=False)
+            stack.callback(gateway.stop)
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, gateway.start(), timeout_s=600)
+            targets.append(Target(f"embedded {dtype}", url, dtype))
+        targeted = tuple(EngineConfig().lora_target_modules)  # the gateways' (the default)
+        limits = LoRALimits(
+            GATEWAY_MAX_RANK, targeted, config.num_layers, config.projection_shapes()
+        )
+        base = httpx.get(f"{targets[0].url}/v1/models").json()["data"][0]["id"] if targets else ""
         peft = {}
         for i in range(ROWS):
-            weights = random_lora_weights(engine.lora_limits, rank=ADAPTER_RANK, seed=i, std=0.05)
+            weights = random_lora_weights(limits, rank=ADAPTER_RANK, seed=i, std=0.05)
             peft[f"a{i}"] = work / "peft" / f"a{i}"
-            save_peft_adapter(weights, peft[f"a{i}"], base_model=engine.model_name)
+            save_peft_adapter(weights, peft[f"a{i}"], base_model=base)
         if o.against is not None:
             targets.append(Target(o.against_label, o.against, o.against_dtype))
         await _run_targets(targets, peft, o)
-    return targets, ModelConfig.from_dir(model_dir)
+    return targets, config
 
 
-def gateway_settings(model_dir: Path, data_dir: Path, dtype: str, o: Options) -> Settings:
-    """A gateway as `clora serve` builds it on `dtype`: serving only (no trainer, no broker)."""
-    engine = EngineConfig(
-        model=str(model_dir), dtype=dtype, num_threads=o.threads, max_loras=8,
-        max_lora_rank=16, max_num_seqs=16, max_model_len=2048,
-    )  # fmt: skip
-    return Settings.model_validate(
-        {"data_dir": data_dir, "adapters_dir": data_dir / "adapters", "engine": engine,
-         "agents": [], "feedback": {"kafka": {"embedded_broker": False}},
-         "trainer": {"enabled": False}, "release": {"enabled": False}}
-    )  # fmt: skip
+def gateway_settings(model_dir: Path, data_dir: Path, dtype: str, o: Options) -> dict[str, Any]:
+    """A gateway as `clora serve` builds it on `dtype`: serving only (no trainer, no broker),
+    as a settings file's contents."""
+    engine = {
+        "model": str(model_dir), "dtype": dtype, "num_threads": o.threads, "max_loras": 8,
+        "max_lora_rank": GATEWAY_MAX_RANK, "max_num_seqs": 16, "max_model_len": 2048,
+    }  # fmt: skip
+    return {
+        "data_dir": str(data_dir), "adapters_dir": str(data_dir / "adapters"), "engine": engine,
+        "agents": [], "feedback": {"kafka": {"embedded_broker": False}},
+        "trainer": {"enabled": False}, "release": {"enabled": False},
+        "retention": {"probe": False}, "server": {"access_log": False},
+    }  # fmt: skip
 
 
 def _median_ratio(a: Target, b: Target, fa: str, fb: str | None = None) -> float:
