@@ -253,15 +253,10 @@ class CoreShare:
         return max(1, self.cores // 2) if self.serving else self.cores
 
 
-_PROCESS: CoreShare | None = None
-
-
+@cache
 def process_share() -> CoreShare:
     """The process's `CoreShare` (made on first use, watching other processes' load)."""
-    global _PROCESS
-    if _PROCESS is None:
-        _PROCESS = CoreShare(load=OtherLoad())
-    return _PROCESS
+    return CoreShare(load=OtherLoad())
 
 
 @contextmanager

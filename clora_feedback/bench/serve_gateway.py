@@ -333,7 +333,8 @@ async def measure(o: Options) -> tuple[list[Target], ModelConfig]:
         limits = LoRALimits(
             GATEWAY_MAX_RANK, targeted, config.num_layers, config.projection_shapes()
         )
-        base = httpx.get(f"{targets[0].url}/v1/models").json()["data"][0]["id"] if targets else ""
+        async with httpx.AsyncClient(base_url=targets[0].url) as http:
+            base = await base_model(http)  # every gateway serves the same model
         peft = {}
         for i in range(ROWS):
             weights = random_lora_weights(limits, rank=ADAPTER_RANK, seed=i, std=0.05)

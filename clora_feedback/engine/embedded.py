@@ -155,8 +155,6 @@ class EmbeddedEngine:
         self.cores = cores or process_share()
         self.model_dir = Path(model_dir)
         self._model_name = model_name or Path(model_dir).name
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.model = SlottedDecoder.from_dir(
             Path(model_dir),
