@@ -2,14 +2,18 @@
 
 `clora_feedback.train.fused` computes RMSNorm, SwiGLU and the head's
 log-probabilities with a hand-written backward (same values, fewer ops; the
-head's backward product in the compute dtype). This times one swap step
-(`train_step`) with those pieces and with the reference composites of
-`clora_feedback.model.decoder` put back in their place, alternated per
-repetition, in each compute dtype, on two batches of `--tickets` support
-tickets: one sampled first token each (the batch of `benchmarks.precision`'s
-step row) and supervised targets of `--target-tokens` tokens each (the shape of
-corrections). Reported: median seconds per step and composites / fused per
-batch and dtype. Prints the CPU model and flags. Not a test: nothing asserts.
+head's backward product in the compute dtype), and the frozen projections'
+input gradients the faster of one product or two column halves on this CPU
+(`train.gemm`). This times one swap step (`train_step`) three ways,
+alternated per repetition: `fused` (as the trainer runs), `one product` (the
+frozen projections back to `F.linear`, whose input gradient is one product)
+and `composites` (that, and the reference composites of
+`clora_feedback.model.decoder` in place of the other pieces); in each compute
+dtype, on two batches of `--tickets` support tickets: one sampled first token
+each (the batch of `benchmarks.precision`'s step row) and supervised targets
+of `--target-tokens` tokens each (the shape of corrections). Reported: median
+seconds per step, and composites / fused and one product / fused per batch and
+dtype. Prints the CPU model and flags. Not a test: nothing asserts.
 
 Not here: bf16 against fp32 (`python -m benchmarks.precision`).
 """
@@ -39,7 +43,7 @@ from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
 from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot
 from clora_feedback.train.step import AgentBatch, SFTSample, train_step
 
-VARIANTS = ("fused", "composites")
+VARIANTS = ("fused", "one product", "composites")
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -53,11 +57,19 @@ def _head_logprobs(
     return decoder.gather_logprobs(hidden, head, targets)
 
 
-def _composites() -> mock._patch[None]:
-    """The training pass with the reference composites in place of `train.fused`'s pieces."""
-    return mock.patch.multiple(
-        forward, rms_norm=decoder.rms_norm, swiglu=_swiglu, head_logprobs=_head_logprobs
-    )
+def _variant(name: str) -> contextlib.AbstractContextManager[Any]:
+    """The training pass as `name` computes it (see the module docstring)."""
+    if name == "one product":
+        return mock.patch.multiple(forward, frozen_linear=F.linear)
+    if name == "composites":
+        return mock.patch.multiple(
+            forward,
+            frozen_linear=F.linear,
+            rms_norm=decoder.rms_norm,
+            swiglu=_swiglu,
+            head_logprobs=_head_logprobs,
+        )
+    return contextlib.nullcontext()
 
 
 def measure(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -84,7 +96,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     seconds: dict[str, list[float]] = {}
     for rep in range(args.reps + 1):  # the first repetition warms up
         for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
-            with _composites() if variant == "composites" else contextlib.nullcontext():
+            with _variant(variant):
                 for batch_name, fields in batches.items():
                     for name, policy in policies.items():
                         state = AgentTrainState.create("x", layout, flat.clone())
@@ -120,12 +132,11 @@ def run(argv: list[str] | None = None) -> int:
     for key, value in median.items():
         print(f"| {key} | {value:.3f} |")
     ratios = {
-        f"{key.removesuffix(', fused')}: composites / fused": median[
-            key.removesuffix("fused") + "composites"
-        ]
+        f"{key.removesuffix(', fused')}: {other} / fused": median[key.removesuffix("fused") + other]
         / value
         for key, value in median.items()
         if key.endswith(", fused")
+        for other in VARIANTS[1:]
     }
     return finish(args, ratios, {"seconds": seconds})
 

@@ -2,7 +2,8 @@
 
 `clora_feedback.train.fused` replaces three composites of the training pass
 (RMSNorm, SwiGLU, the head's log-probabilities) by functions with a
-hand-written backward. Forward values must be bit-identical to
+hand-written backward, and the frozen projections' `F.linear` by one whose
+input gradient `train.gemm` computes the faster of two ways. Forward values must be bit-identical to
 `clora_feedback.model.decoder` (the reference checked against PEFT), and input
 gradients equal to what autograd computes through the reference: exactly in
 fp32 up to summation order, within bf16 rounding in bf16. The head's backward
@@ -22,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from clora_feedback.model.decoder import gather_logprobs
 from clora_feedback.model.decoder import rms_norm as reference_rms_norm
-from clora_feedback.train.fused import head_logprobs, rms_norm, swiglu
+from clora_feedback.train import gemm
+from clora_feedback.train.fused import frozen_linear, head_logprobs, rms_norm, swiglu
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -103,3 +105,52 @@ def test_head_logprobs_match_the_reference_and_multiply_back_in_the_compute_dtyp
     assert [mm[0] for mm in backward] == [dtype] * 3  # three chunks of at most 4 rows
     err = float((dh - dh_ref).abs().max()) / float(dh_ref.abs().max())
     assert err <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("halves", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_frozen_linear_matches_linear_whichever_way_its_input_gradient_is_computed(
+    dtype: torch.dtype, halves: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def chosen(*key: Any) -> bool:
+        calls.append(key)
+        return halves
+
+    monkeypatch.setattr(gemm, "halves_are_faster", chosen)
+    monkeypatch.setattr(gemm, "MIN_MACS", 0)
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(96, 70, generator=g) * 0.1).to(dtype)  # an odd half: 35 + 35
+    bias = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(45, 70, generator=g).to(dtype)
+    grad = torch.randn(45, 96, generator=g).to(dtype)
+    y_ref, dx_ref = _value_and_grad(lambda t: F.linear(t, weight, bias), x, grad)
+    y, dx = _value_and_grad(lambda t: frozen_linear(t, weight, bias), x, grad)
+    assert torch.equal(y, y_ref)
+    assert calls == [(dtype, torch.get_num_threads(), 64, 96, 70)]  # 45 rows: class 64
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert float((dx.float() - dx_ref.float()).abs().max()) <= tol * float(dx_ref.abs().max())
+
+
+def test_the_faster_way_is_timed_once_per_shape_class() -> None:
+    gemm.halves_are_faster.cache_clear()
+    first = gemm.halves_are_faster(torch.float32, torch.get_num_threads(), 64, 256, 128)
+    again = gemm.halves_are_faster(torch.float32, torch.get_num_threads(), 64, 256, 128)
+    assert isinstance(first, bool) and again is first
+    assert gemm.halves_are_faster.cache_info().hits == 1
+
+
+def test_small_products_and_narrow_weights_are_one_product_untimed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def never(*key: Any) -> bool:
+        raise AssertionError(f"timed {key}")
+
+    monkeypatch.setattr(gemm, "halves_are_faster", never)
+    g = torch.Generator().manual_seed(4)
+    grad, weight = torch.randn(8, 64, generator=g), torch.randn(64, 512, generator=g)
+    assert torch.equal(gemm.input_gradient(grad, weight), grad @ weight)  # few multiply-adds
+    monkeypatch.setattr(gemm, "MIN_MACS", 0)
+    narrow = torch.randn(64, 32, generator=g)  # halves of 16 columns: never worth timing
+    assert torch.equal(gemm.input_gradient(grad, narrow), grad @ narrow)

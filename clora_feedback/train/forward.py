@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from clora_feedback.lora.weights import module_key
 from clora_feedback.model.base import GROUPS, BaseWeights
 from clora_feedback.model.decoder import rope_signed, signed_sin
-from clora_feedback.train.fused import head_logprobs, rms_norm, swiglu
+from clora_feedback.train.fused import frozen_linear, head_logprobs, rms_norm, swiglu
 from clora_feedback.train.state import LoRALayout
 
 
@@ -295,7 +295,7 @@ def _project(
     base: BaseWeights, x: torch.Tensor, layer: int, group: str, lora: _StreamLoRA | None
 ) -> torch.Tensor:
     """x [N, in] -> [N, out]: fused base projection `group` of `layer` plus the tokens' LoRA."""
-    y = F.linear(x, base.layers[layer][group], base.bias(layer, group))
+    y = frozen_linear(x, base.layers[layer][group], base.bias(layer, group))
     return y if lora is None else lora.add(y, x, layer, group)
 
 
