@@ -20,6 +20,7 @@ from clora_feedback.train.state import (
     AgentTrainState,
     LoRALayout,
     TrainingSlot,
+    adam_step,
     init_lora,
 )
 from clora_feedback.train.step import AgentBatch, PGSample, SFTSample, train_step
@@ -235,3 +236,40 @@ def test_no_prefix_is_shared_into_a_scored_position() -> None:
     assert shared_prefix_len(short) == 17
     assert shared_prefix_len(PackedBatch.build([(common, [1])])) == 0  # one row: nothing to share
     assert shared_prefix_len(PackedBatch.build([([5] * 8, [1]), ([5] * 8, [2])])) == 0  # too short
+
+
+def _textbook_adamw(
+    params: torch.Tensor,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: int,
+    cfg: AdamConfig,
+) -> None:
+    """AdamW as the paper writes it (Loshchilov & Hutter), one elementwise op at a time."""
+    norm = float(grad.norm())
+    if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
+        grad = grad * (cfg.max_grad_norm / (norm + 1e-12))
+    b1, b2 = cfg.betas
+    m.mul_(b1).add_(grad, alpha=1 - b1)
+    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    lr = cfg.lr_at(step)
+    denom = (v / (1 - b2**step)).sqrt() + cfg.eps
+    params.mul_(1 - lr * cfg.weight_decay).addcdiv_(m, denom, value=-lr / (1 - b1**step))
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_the_fused_adam_step_is_textbook_adamw(clip: float) -> None:
+    cfg = AdamConfig(lr=3e-3, weight_decay=0.1, max_grad_norm=clip, warmup_steps=2)
+    gen = torch.Generator().manual_seed(0)
+    params = torch.randn(1000, generator=gen)
+    got = [params.clone(), torch.zeros(1000), torch.zeros(1000)]
+    want = [params.clone(), torch.zeros(1000), torch.zeros(1000)]
+    for step in range(1, 5):
+        grad = torch.randn(1000, generator=gen) * step
+        norm = adam_step(got[0], grad, got[1], got[2], step, cfg)
+        _textbook_adamw(want[0], grad, want[1], want[2], step, cfg)
+        assert norm == pytest.approx(float(grad.norm()))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(got[0], params)

@@ -340,6 +340,11 @@ def adam_step(
 ) -> float:
     """One AdamW update in place on flat buffers (after gradient-norm clipping).
 
+    torch's fused AdamW kernel (the one `torch.optim.AdamW(fused=True)` runs):
+    one pass over the four buffers instead of a dozen elementwise ops, each a
+    pass over memory; the same update as the textbook's (decoupled weight decay,
+    bias-corrected moments, eps added to the corrected root).
+
     Args:
         params, grad, exp_avg, exp_avg_sq: [P] fp32 buffers.
         step: the step number after this update (>= 1).
@@ -353,13 +358,19 @@ def adam_step(
         if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
             grad = grad * (cfg.max_grad_norm / (norm + 1e-12))
         b1, b2 = cfg.betas
-        exp_avg.mul_(b1).add_(grad, alpha=1 - b1)
-        exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        bias1 = 1 - b1**step
-        bias2 = 1 - b2**step
-        denom = (exp_avg_sq / bias2).sqrt_().add_(cfg.eps)
-        lr = cfg.lr_at(step)
-        if cfg.weight_decay:
-            params.mul_(1 - lr * cfg.weight_decay)
-        params.addcdiv_(exp_avg, denom, value=-lr / bias1)
+        torch._fused_adamw_(
+            [params],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [torch.tensor(float(step), device=params.device)],
+            lr=cfg.lr_at(step),
+            beta1=b1,
+            beta2=b2,
+            weight_decay=cfg.weight_decay,
+            eps=cfg.eps,
+            amsgrad=False,
+            maximize=False,
+        )
     return norm
