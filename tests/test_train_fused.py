@@ -13,6 +13,7 @@ matmul (half the bytes of the [V, hidden] head), its result within 1% of fp32.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -112,42 +113,47 @@ def test_head_logprobs_match_the_reference_and_multiply_back_in_the_compute_dtyp
 def test_frozen_linear_matches_linear_whichever_way_its_input_gradient_is_computed(
     dtype: torch.dtype, halves: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[tuple[Any, ...]] = []
+    timed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
-    def chosen(*key: Any) -> bool:
-        calls.append(key)
+    def chosen(grad: torch.Tensor, weight: torch.Tensor) -> bool:
+        timed.append((tuple(grad.shape), tuple(weight.shape)))
         return halves
 
     monkeypatch.setattr(gemm, "halves_are_faster", chosen)
     monkeypatch.setattr(gemm, "MIN_MACS", 0)
+    gemm.forget_choices()
     g = torch.Generator().manual_seed(3)
-    weight = (torch.randn(96, 70, generator=g) * 0.1).to(dtype)  # an odd half: 35 + 35
+    weight = (torch.randn(96, 70, generator=g) * 0.1).to(dtype)  # odd halves: 35 + 35
     bias = torch.randn(96, generator=g).to(dtype)
-    x = torch.randn(45, 70, generator=g).to(dtype)
-    grad = torch.randn(45, 96, generator=g).to(dtype)
-    y_ref, dx_ref = _value_and_grad(lambda t: F.linear(t, weight, bias), x, grad)
-    y, dx = _value_and_grad(lambda t: frozen_linear(t, weight, bias), x, grad)
-    assert torch.equal(y, y_ref)
-    assert calls == [(dtype, torch.get_num_threads(), 64, 96, 70)]  # 45 rows: class 64
-    tol = 1e-6 if dtype == torch.float32 else 2**-7
-    assert float((dx.float() - dx_ref.float()).abs().max()) <= tol * float(dx_ref.abs().max())
+    for rows in (45, 60, 33):  # one shape class (33..64 rows): timed once
+        x = torch.randn(rows, 70, generator=g).to(dtype)
+        grad = torch.randn(rows, 96, generator=g).to(dtype)
+        y_ref, dx_ref = _value_and_grad(lambda t: F.linear(t, weight, bias), x, grad)
+        y, dx = _value_and_grad(lambda t: frozen_linear(t, weight, bias), x, grad)
+        assert torch.equal(y, y_ref)
+        tol = 1e-6 if dtype == torch.float32 else 2**-7
+        assert float((dx.float() - dx_ref.float()).abs().max()) <= tol * float(dx_ref.abs().max())
+    assert timed == [((45, 96), (96, 70))]
+    gemm.forget_choices()
 
 
-def test_the_faster_way_is_timed_once_per_shape_class() -> None:
-    gemm.halves_are_faster.cache_clear()
-    first = gemm.halves_are_faster(torch.float32, torch.get_num_threads(), 64, 256, 128)
-    again = gemm.halves_are_faster(torch.float32, torch.get_num_threads(), 64, 256, 128)
-    assert isinstance(first, bool) and again is first
-    assert gemm.halves_are_faster.cache_info().hits == 1
+def test_the_second_way_is_kept_only_when_clearly_faster() -> None:
+    def sleeps(seconds: float) -> Callable[[], None]:
+        return lambda: time.sleep(seconds)
+
+    assert gemm.second_is_faster(sleeps(0.004), sleeps(0.001))
+    assert not gemm.second_is_faster(sleeps(0.001), sleeps(0.004))
+    assert not gemm.second_is_faster(sleeps(0.01), sleeps(0.01))  # a tie keeps the first
 
 
 def test_small_products_and_narrow_weights_are_one_product_untimed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def never(*key: Any) -> bool:
-        raise AssertionError(f"timed {key}")
+    def never(grad: torch.Tensor, weight: torch.Tensor) -> bool:
+        raise AssertionError(f"timed {tuple(grad.shape)} @ {tuple(weight.shape)}")
 
     monkeypatch.setattr(gemm, "halves_are_faster", never)
+    gemm.forget_choices()
     g = torch.Generator().manual_seed(4)
     grad, weight = torch.randn(8, 64, generator=g), torch.randn(64, 512, generator=g)
     assert torch.equal(gemm.input_gradient(grad, weight), grad @ weight)  # few multiply-adds
