@@ -445,9 +445,11 @@ def prefixed_attention(
         stacked = q_i.transpose(0, 1).reshape(kv, n * g * w, d)  # every row of the run at once
         pre = torch.bmm(stacked, kp_i.transpose(1, 2))  # [K, n*g*w, P]
         pre = pre.view(kv, n, g * w, p).transpose(0, 1)
-        # the softmax in fp32 whatever the compute dtype, its probabilities back in it
+        # torch's softmax computes in fp32 whatever the input dtype: the probabilities of an
+        # fp32 softmax and a cast, up to the last bit, without the cast's passes (forwards
+        # and backwards)
         scores = torch.cat([pre, own_i], dim=-1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        probs = torch.softmax(scores, dim=-1)
         probs_pre, probs_own = probs.split([p, w], dim=-1)
         from_pre = torch.bmm(probs_pre.transpose(0, 1).reshape(kv, n * g * w, p), vp_i)
         outs.append(from_pre.view(kv, n, g * w, d).transpose(0, 1) + probs_own @ v_i)

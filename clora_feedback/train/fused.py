@@ -52,12 +52,13 @@ class _RMSNorm(torch.autograd.Function):
         x, r, weight = ctx.saved_tensors
         # y = w * x * r with r = (mean(x^2) + eps)^-1/2, so with g = grad * w:
         # dx = r * g - x * r^3 * mean(g * x)
-        g = (grad * weight).float()
+        # (the casts ride on the ops' outputs: `out=` in another dtype, no extra passes)
+        g = torch.mul(grad, weight, out=torch.empty_like(grad, dtype=torch.float32))
         x32 = x.float()
         dot = torch.linalg.vecdot(g, x32, dim=-1).unsqueeze(-1)
         coef = dot.mul_(r.pow(3)).div_(-x.shape[-1])
-        dx = torch.addcmul(g.mul_(r), x32, coef)
-        return dx.to(x.dtype), None, None
+        dx = torch.addcmul(g.mul_(r), x32, coef, out=torch.empty_like(x))
+        return dx, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
