@@ -43,6 +43,7 @@ Not here: the trainer's other costs (`bench train`), serving (`bench serve`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -579,6 +580,19 @@ def _identity(policy: DecoderPolicy, rank: int) -> tuple[LoRALayout, torch.Tenso
     limits = policy.lora_limits
     layout = LoRALayout.build(limits, rank, 2.0 * rank, tuple(limits.target_modules))
     return layout, init_lora(layout, seed=0)
+
+
+def fresh_step_seconds(
+    policy: DecoderPolicy, samples: list[PGSample], rank: int, prof: Any = None
+) -> float:
+    """Wall seconds of one swap step on `samples` from a fresh rank-`rank` adapter (under
+    the profiler `prof`, when given, only the step): the unit of the profiling scripts."""
+    state = AgentTrainState.create("x", *_identity(policy, rank))
+    slot = TrainingSlot(state.layout.numel, policy.device)
+    with prof if prof is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        train_step(policy, [slot], [AgentBatch(state, samples)], LossConfig(), AdamConfig(lr=1e-3))
+        return time.perf_counter() - t0
 
 
 def run(argv: list[str]) -> int:

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.precision import Task, _identity, rollout
+from benchmarks.precision import Task, _identity, fresh_step_seconds, rollout
 from clora_feedback.bench.report import format_facts, machine_facts
 from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES
 from clora_feedback.model.resolve import resolve_model_dir
 from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
 from clora_feedback.train.state import AgentTrainState
 from clora_feedback.train.step import PGSample
-from scripts.train_step_profile import _step
 
 
 def _width(samples: list[PGSample]) -> int:
@@ -57,7 +56,7 @@ def main() -> None:
     p32 = policies["float32"]
     task = Task.build(p32, seed=0, train=200, held_out=1)
     start = AgentTrainState.create("x", *_identity(p32, args.rank))
-    picks, batches, widths = random.Random(0), [], set()
+    picks, batches, widths = random.Random(0), list[list[PGSample]](), set[int]()
     for attempt in range(50 * (args.batches + 1)):
         if len(batches) == args.batches + 1:
             break
@@ -68,13 +67,13 @@ def main() -> None:
             batches.append(samples)
     warm, batches = batches[0], batches[1:]
     for policy in policies.values():  # every shape-independent first-time cost, paid here
-        _step(policy, warm, args.rank)
+        fresh_step_seconds(policy, warm, args.rank)
     first: dict[str, list[float]] = {name: [] for name in policies}
     again: dict[str, list[float]] = {name: [] for name in policies}
     for i, samples in enumerate(batches):
         for name in list(policies) if i % 2 == 0 else list(policies)[::-1]:
-            first[name].append(_step(policies[name], samples, args.rank))
-            again[name].append(_step(policies[name], samples, args.rank))
+            first[name].append(fresh_step_seconds(policies[name], samples, args.rank))
+            again[name].append(fresh_step_seconds(policies[name], samples, args.rank))
     print(f"{len(batches)} batches of {args.tickets} rows, widths {sorted(widths)}")
     print("| dtype | new shape (s) | same shape again (s) | new - again (ms, median) |")
     print("|---|---|---|---|")

@@ -16,36 +16,20 @@ reports the step ratio): this says which ops to look at.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.precision import Task, _identity, rollout
+from benchmarks.precision import Task, _identity, fresh_step_seconds, rollout
 from clora_feedback.bench.report import format_facts, machine_facts
 from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES
 from clora_feedback.model.resolve import resolve_model_dir
-from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
-from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot
-from clora_feedback.train.step import AgentBatch, PGSample, train_step
+from clora_feedback.train.state import AgentTrainState
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_mkldnn_", "mkldnn", "aten::matmul")
-
-
-def _step(policy: DecoderPolicy, samples: list[PGSample], rank: int, prof: Any = None) -> float:
-    """One swap step on a fresh adapter: its wall seconds (under `prof`, only the step)."""
-    state = AgentTrainState.create("x", *_identity(policy, rank))
-    slot = TrainingSlot(state.layout.numel, policy.device)
-    batch, loss, adam = [AgentBatch(state, samples)], LossConfig(), AdamConfig(lr=1e-3)
-    with prof if prof is not None else contextlib.nullcontext():
-        t0 = time.perf_counter()
-        train_step(policy, [slot], batch, loss, adam)
-        return time.perf_counter() - t0
 
 
 def _is_gemm(key: str) -> bool:
@@ -81,15 +65,15 @@ def main() -> None:
     )
     for policy in policies.values():
         for _ in range(args.warm):
-            _step(policy, samples, args.rank)
+            fresh_step_seconds(policy, samples, args.rank)
     walls: dict[str, list[float]] = {name: [] for name in policies}
     for i in range(args.reps):
         for name in list(policies) if i % 2 == 0 else list(policies)[::-1]:
-            walls[name].append(_step(policies[name], samples, args.rank))
+            walls[name].append(fresh_step_seconds(policies[name], samples, args.rank))
     medians = {name: statistics.median(w) for name, w in walls.items()}
     for name, policy in policies.items():
         prof = profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes)
-        _step(policy, samples, args.rank, prof)
+        fresh_step_seconds(policy, samples, args.rank, prof)
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
         gemm = sum(e.self_cpu_time_total for e in events if _is_gemm(e.key))
