@@ -36,7 +36,7 @@ Not here: losses, optimizer, batching policy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -173,10 +173,12 @@ class _StreamLoRA:
     segments: list[tuple[int, int, int]]
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
-        """y [N, out] plus each token's LoRA update of x [N, in] (a new tensor)."""
+        """y [N, out] plus each token's LoRA update of x [N, in], in place: y is a base
+        projection's fresh output, which no backward reads (an out-of-place sum would
+        allocate and write a second [N, out])."""
         if len(self.segments) == 1:  # one agent owns every token: one fused matmul pair
             f = self.factors[self.segments[0][0]].get((layer, group))
-            return y if f is None else torch.addmm(y, x @ f.a.t(), f.bt)
+            return y if f is None else y.addmm_(x @ f.a.t(), f.bt)
         parts = []
         sizes = [end - start for _, start, end in self.segments]
         for (agent, _, _), xs in zip(self.segments, x.split(sizes), strict=True):
@@ -184,7 +186,7 @@ class _StreamLoRA:
             parts.append(
                 xs.new_zeros(xs.shape[0], y.shape[1]) if f is None else xs @ f.a.t() @ f.bt
             )
-        return y + torch.cat(parts)
+        return y.add_(torch.cat(parts))
 
 
 MIN_SHARED_PREFIX = 16
@@ -431,15 +433,19 @@ def prefixed_attention(
     future = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)
     own = own.masked_fill(future, float("-inf"))
     outs = []
-    # split and unbind, not slices: their backward is one cat or stack, no zero-filled copies
-    parts = zip(
-        q.split(run_rows),
-        own.split(run_rows),
-        v.split(run_rows),
-        k_prefix.unbind(0),
-        v_prefix.unbind(0),
-        strict=True,
-    )
+    if len(run_rows) == 1:  # one run: no split, whose backward would copy each gradient
+        parts: Iterable[tuple[torch.Tensor, ...]] = [
+            (q, own, v, k_prefix.squeeze(0), v_prefix.squeeze(0))
+        ]
+    else:  # split and unbind, not slices: their backward is one cat or stack, no zero fills
+        parts = zip(
+            q.split(run_rows),
+            own.split(run_rows),
+            v.split(run_rows),
+            k_prefix.unbind(0),
+            v_prefix.unbind(0),
+            strict=True,
+        )
     for q_i, own_i, v_i, kp_i, vp_i in parts:
         n = q_i.shape[0]
         stacked = q_i.transpose(0, 1).reshape(kv, n * g * w, d)  # every row of the run at once
