@@ -25,7 +25,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from clora_feedback.model.decoder import gather_logprobs
 from clora_feedback.model.decoder import rms_norm as reference_rms_norm
 from clora_feedback.train import gemm
-from clora_feedback.train.fused import frozen_linear, head_logprobs, rms_norm, swiglu
+from clora_feedback.train.fused import (
+    LoRAPiece,
+    frozen_linear,
+    head_logprobs,
+    lora_linear,
+    rms_norm,
+    swiglu,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -160,3 +167,45 @@ def test_small_products_and_narrow_weights_are_one_product_untimed(
     monkeypatch.setattr(gemm, "MIN_MACS", 0)
     narrow = torch.randn(64, 32, generator=g)  # halves of 16 columns: never worth timing
     assert torch.equal(gemm.input_gradient(grad, narrow), grad @ narrow)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_linear_matches_the_composite_for_every_segment(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    weight, bias, x, grad = t(40, 24, scale=0.2), t(40), t(17, 24), t(17, 40)
+    # three agents' segments: rank 4, no LoRA on this projection, rank 2
+    factors = [(t(4, 24, scale=0.3), t(4, 40, scale=0.3)), None, (t(2, 24), t(2, 40))]
+    sizes = [6, 4, 7]
+
+    def composite(x: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
+        parts, it = [], iter(flat)
+        for xs, f in zip(x.split(sizes), factors, strict=True):
+            parts.append((xs @ next(it).t()) @ next(it) if f else xs.new_zeros(len(xs), 40))
+        return F.linear(x, weight, bias) + torch.cat(parts)
+
+    def fused(x: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
+        it = iter(flat)
+        pieces: list[LoRAPiece] = [
+            (n, next(it), next(it)) if f else (n, None, None)
+            for n, f in zip(sizes, factors, strict=True)
+        ]
+        return lora_linear(x, weight, bias, pieces)
+
+    results = []
+    for fn in (composite, fused):
+        leaves = [x.clone().requires_grad_(True)] + [
+            p.clone().requires_grad_(True) for f in factors if f for p in f
+        ]
+        y = fn(*leaves)
+        y.backward(grad)
+        results.append((y.detach(), [leaf.grad for leaf in leaves]))
+    (y_ref, grads_ref), (y_got, grads_got) = results
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    assert float((y_got.float() - y_ref.float()).abs().max()) <= tol * float(y_ref.abs().max())
+    for got, want in zip(grads_got, grads_ref, strict=True):
+        assert got is not None and want is not None
+        assert float((got.float() - want.float()).abs().max()) <= tol * float(want.abs().max())

@@ -76,7 +76,9 @@ def test_pass_has_no_zero_filled_gradients_and_one_matmul_pair_per_group(
         assert ops["slice_backward"] == 0
         # Per layer and group: base GEMM + LoRA shrink + expand forward; input gradient of
         # the base, and for each LoRA matmul its two gradients, backward: 3 + 1 + 4 = 8.
-        matmuls = ops["mm"] + ops["addmm"]  # the projections' (attention's are batched)
+        matmuls = (
+            ops["mm"] + ops["addmm"] + ops["addmm_"]
+        )  # the projections' (attention's are batched)
         assert matmuls <= 8 * 4 * layers + 4, dict(ops)
 
 

@@ -13,7 +13,8 @@ the shared prompt prefix once per agent, then every row's own tokens), so each
 projection, norm and MLP is one op over all of them (one bigger GEMM per
 weight); only attention sees rows. Each fused projection group's LoRA is two
 matmuls per agent over all the group's members (`_GroupFactors`: A stacked,
-B block-diagonal), added to the base output by `addmm`; an agent's tokens are
+B block-diagonal), added in place into the base output (`fused.lora_linear`,
+whose backward also sums the input gradients in one buffer); an agent's tokens are
 contiguous segments of the stream, so no row gathers (or, backwards, scatters)
 a copy of its weights. Splits instead of slices, RoPE by one roll: no op's
 backward allocates a zero-filled full-size gradient.
@@ -29,7 +30,8 @@ norm, the vocabulary projection and the log-softmax run in fp32 on an fp32
 copy of the head (`head`): a bf16 logit of magnitude 20 is only good to
 0.06, which an importance ratio would see as noise. The head's backward
 multiplies by the head in the compute dtype (`fused.head_logprobs`); the
-norms and the SwiGLU are `fused`'s too (same values, fewer ops backwards).
+norms, the SwiGLU and the projections are `fused`'s too (same values, fewer ops
+backwards).
 
 Not here: losses, optimizer, batching policy.
 """
@@ -45,7 +47,14 @@ import torch.nn.functional as F
 from clora_feedback.lora.weights import module_key
 from clora_feedback.model.base import GROUPS, BaseWeights
 from clora_feedback.model.decoder import rope_signed, signed_sin
-from clora_feedback.train.fused import frozen_linear, head_logprobs, rms_norm, swiglu
+from clora_feedback.train.fused import (
+    LoRAPiece,
+    frozen_linear,
+    head_logprobs,
+    lora_linear,
+    rms_norm,
+    swiglu,
+)
 from clora_feedback.train.state import LoRALayout
 
 
@@ -172,21 +181,14 @@ class _StreamLoRA:
     factors: list[dict[tuple[int, str], _GroupFactors]]
     segments: list[tuple[int, int, int]]
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
-        """y [N, out] plus each token's LoRA update of x [N, in], in place: y is a base
-        projection's fresh output, which no backward reads (an out-of-place sum would
-        allocate and write a second [N, out])."""
-        if len(self.segments) == 1:  # one agent owns every token: one fused matmul pair
-            f = self.factors[self.segments[0][0]].get((layer, group))
-            return y if f is None else y.addmm_(x @ f.a.t(), f.bt)
-        parts = []
-        sizes = [end - start for _, start, end in self.segments]
-        for (agent, _, _), xs in zip(self.segments, x.split(sizes), strict=True):
+    def pieces(self, layer: int, group: str) -> list[LoRAPiece]:
+        """(tokens, A, B^T) of each segment on projection `group` of `layer`, in order
+        (`fused.lora_linear`'s input)."""
+        out: list[LoRAPiece] = []
+        for agent, start, end in self.segments:
             f = self.factors[agent].get((layer, group))
-            parts.append(
-                xs.new_zeros(xs.shape[0], y.shape[1]) if f is None else xs @ f.a.t() @ f.bt
-            )
-        return y.add_(torch.cat(parts))
+            out.append((end - start, None, None) if f is None else (end - start, f.a, f.bt))
+        return out
 
 
 MIN_SHARED_PREFIX = 16
@@ -297,8 +299,10 @@ def _project(
     base: BaseWeights, x: torch.Tensor, layer: int, group: str, lora: _StreamLoRA | None
 ) -> torch.Tensor:
     """x [N, in] -> [N, out]: fused base projection `group` of `layer` plus the tokens' LoRA."""
-    y = frozen_linear(x, base.layers[layer][group], base.bias(layer, group))
-    return y if lora is None else lora.add(y, x, layer, group)
+    weight, bias = base.layers[layer][group], base.bias(layer, group)
+    if lora is None:
+        return frozen_linear(x, weight, bias)
+    return lora_linear(x, weight, bias, lora.pieces(layer, group))
 
 
 @dataclass(frozen=True)

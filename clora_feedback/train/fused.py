@@ -14,6 +14,10 @@ PEFT) and writes its backward by hand, in fewer passes:
 - `frozen_linear`: a frozen base projection, whose input gradient is
   `gemm.input_gradient` (the faster of one product or two column halves on
   this CPU) instead of autograd's one product.
+- `lora_linear`: that projection plus each token segment's LoRA update, added
+  in place into the base output; backwards the LoRA's input gradient is added
+  into the base one's buffer, where autograd would sum two [N, in] gradients
+  in a pass of their own, and a dozen small nodes become one.
 - `head_logprobs`: log_softmax(hidden @ head.T)[targets] with fp32 logits,
   whose backward multiplies by the head in the compute dtype: the gradient
   is rounded to bf16 as every other activation gradient is, and the
@@ -114,6 +118,78 @@ def frozen_linear(
     if not (torch.is_grad_enabled() and x.requires_grad):
         return F.linear(x, weight, bias)
     return _FrozenLinear.apply(x, weight, bias)
+
+
+LoRAPiece = tuple[int, torch.Tensor, torch.Tensor] | tuple[int, None, None]
+"""(tokens, A [r, in], B^T [r, out]) of one segment of the token stream, in order; None
+factors for a segment whose agent has no LoRA on this projection."""
+
+
+class _LoRALinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        sizes: list[int],
+        *factors: torch.Tensor | None,
+    ) -> torch.Tensor:
+        y = F.linear(x, weight, bias)
+        downs: list[torch.Tensor | None] = []  # each segment's x A^T [n, r] (None: no LoRA)
+        for xs, ys, a, bt in zip(
+            x.split(sizes), y.split(sizes), factors[0::2], factors[1::2], strict=True
+        ):
+            if a is None or bt is None:
+                downs.append(None)
+                continue
+            xa = xs @ a.t()
+            ys.addmm_(xa, bt)
+            downs.append(xa)
+        ctx.save_for_backward(x, weight, *factors, *downs)  # type: ignore[arg-type]  # None is kept
+        ctx.sizes = sizes  # type: ignore[attr-defined]
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, *rest = ctx.saved_tensors
+        k = len(ctx.sizes)
+        factors, downs = rest[: 2 * k], rest[2 * k :]
+        want_x = ctx.needs_input_grad[0]
+        dx = input_gradient(grad, weight) if want_x else None
+        d_factors: list[torch.Tensor | None] = []
+        parts = zip(
+            grad.split(ctx.sizes),
+            x.split(ctx.sizes),
+            dx.split(ctx.sizes) if dx is not None else [None] * k,
+            factors[0::2],
+            factors[1::2],
+            downs,
+            strict=True,
+        )
+        for gs, xs, dxs, a, bt, xa in parts:
+            if a is None or bt is None or xa is None:
+                d_factors += [None, None]
+                continue
+            d_xa = gs @ bt.t()  # [n, r]
+            if dxs is not None:
+                dxs.addmm_(d_xa, a)  # the LoRA's share of dx, into the base share's buffer
+            d_factors += [d_xa.t() @ xs, xa.t() @ gs]
+        return (dx, None, None, None, *d_factors)
+
+
+def lora_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pieces: list[LoRAPiece]
+) -> torch.Tensor:
+    """x [N, in] -> x @ weight.T + bias plus each segment's (x_s A^T) B^T, [N, out].
+
+    The frozen weight and bias get no gradient; x, each A and each B^T do. The input
+    gradient of the frozen part is `gemm.input_gradient`'s, as in `frozen_linear`.
+    """
+    sizes = [n for n, _, _ in pieces]
+    factors = [t for _, a, bt in pieces for t in (a, bt)]
+    return _LoRALinear.apply(x, weight, bias, sizes, *factors)
 
 
 class _HeadLogprobs(torch.autograd.Function):
