@@ -4,10 +4,12 @@
 log-probabilities with a hand-written backward (same values, fewer ops; the
 head's backward product in the compute dtype), and the frozen projections'
 input gradients the faster of one product or two column halves on this CPU
-(`train.gemm`). This times one swap step (`train_step`) three ways,
-alternated per repetition: `fused` (as the trainer runs), `one product` (the
-frozen projections back to `F.linear`, whose input gradient is one product)
-and `composites` (that, and the reference composites of
+(`train.gemm`), and each projection with its LoRA as one function (the LoRA
+added in place, its input gradient summed into the base one's buffer). This
+times one swap step (`train_step`) three ways, alternated per repetition:
+`fused` (as the trainer runs), `one product` (every frozen projection's input
+gradient one product again) and `composites` (autograd's composites for the
+projections and their LoRA, and the reference composites of
 `clora_feedback.model.decoder` in place of the other pieces); in each compute
 dtype, on two batches of `--tickets` support tickets: one sampled first token
 each (the batch of `benchmarks.precision`'s step row) and supervised targets
@@ -37,7 +39,7 @@ from benchmarks.shapes import add_dtypes_option, finish
 from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES, Settings
 from clora_feedback.model import decoder
 from clora_feedback.model.resolve import resolve_model_dir
-from clora_feedback.train import forward
+from clora_feedback.train import forward, fused
 from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
 from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot
@@ -57,14 +59,34 @@ def _head_logprobs(
     return decoder.gather_logprobs(hidden, head, targets)
 
 
+def _lora_composite(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pieces: list[fused.LoRAPiece],
+) -> torch.Tensor:
+    """`fused.lora_linear` as autograd composes it: the base projection, then each
+    segment's LoRA product, summed out of place."""
+    parts = [
+        xs @ a.t() @ bt if a is not None and bt is not None else xs.new_zeros(n, weight.shape[0])
+        for xs, (n, a, bt) in zip(x.split([n for n, _, _ in pieces]), pieces, strict=True)
+    ]
+    return F.linear(x, weight, bias) + torch.cat(parts)
+
+
+def _one_product(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad @ weight
+
+
 def _variant(name: str) -> contextlib.AbstractContextManager[Any]:
     """The training pass as `name` computes it (see the module docstring)."""
     if name == "one product":
-        return mock.patch.multiple(forward, frozen_linear=F.linear)
+        return mock.patch.object(fused, "input_gradient", _one_product)
     if name == "composites":
         return mock.patch.multiple(
             forward,
             frozen_linear=F.linear,
+            lora_linear=_lora_composite,
             rms_norm=decoder.rms_norm,
             swiglu=_swiglu,
             head_logprobs=_head_logprobs,

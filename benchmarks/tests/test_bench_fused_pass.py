@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from benchmarks import fused_pass
 from clora_feedback.model import decoder
 from clora_feedback.model.tiny import build_tiny_model_dir
-from clora_feedback.train import forward
+from clora_feedback.train import forward, fused, gemm
 
 
 def test_fused_pass_times_every_variant_in_both_dtypes_and_restores_the_pieces(
@@ -24,3 +24,4 @@ def test_fused_pass_times_every_variant_in_both_dtypes_and_restores_the_pieces(
     assert len(seconds) == 2 * 2 * 3 and all(len(v) == 1 for v in seconds.values())
     assert forward.rms_norm is not decoder.rms_norm  # the composites were put back only inside
     assert forward.frozen_linear is not F.linear
+    assert fused.input_gradient is gemm.input_gradient
