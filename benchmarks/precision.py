@@ -528,13 +528,18 @@ def _model_dir(args: argparse.Namespace, scratch: Path) -> Path:
     return resolve_model_dir(args.model, args.model_cache)
 
 
-def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
-    policies = {
+def policies_by_dtype(model_dir: Path, rank: int) -> dict[str, DecoderPolicy]:
+    """The model as a trainer computes it in each compute dtype (fp32 first)."""
+    return {
         name: DecoderPolicy.from_dir(
-            model_dir, max_lora_rank=args.rank, target_modules=DEFAULT_TARGET_MODULES, dtype=dtype
+            model_dir, max_lora_rank=rank, target_modules=DEFAULT_TARGET_MODULES, dtype=dtype
         )
         for name, dtype in COMPUTE_DTYPES.items()
     }
+
+
+def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    policies = policies_by_dtype(model_dir, args.rank)
     p32 = policies["float32"]
     task = Task.build(p32, seed=args.seed, train=200, held_out=args.eval)
     _progress(f"team first tokens: { {t: v.tolist() for t, v in task.team_tokens.items()} }")

@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.precision import Task, _identity, fresh_step_seconds, rollout
+from benchmarks.precision import Task, _identity, fresh_step_seconds, policies_by_dtype, rollout
 from clora_feedback.bench.report import format_facts, machine_facts
-from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES
+from clora_feedback.config import DEFAULT_MODEL
 from clora_feedback.model.resolve import resolve_model_dir
-from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
 from clora_feedback.train.state import AgentTrainState
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_mkldnn_", "mkldnn", "aten::matmul")
@@ -48,12 +47,7 @@ def main() -> None:
     p.add_argument("--shapes", action="store_true", help="also the GEMMs by input shape")
     args = p.parse_args()
     model_dir = resolve_model_dir(args.model, args.model_cache)
-    policies = {
-        name: DecoderPolicy.from_dir(
-            model_dir, max_lora_rank=args.rank, target_modules=DEFAULT_TARGET_MODULES, dtype=dt
-        )
-        for name, dt in COMPUTE_DTYPES.items()
-    }
+    policies = policies_by_dtype(model_dir, args.rank)
     p32 = policies["float32"]
     task = Task.build(p32, seed=0, train=args.tickets, held_out=1)
     samples = rollout(
