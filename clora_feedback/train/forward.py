@@ -363,7 +363,7 @@ class _Stream:
 
         Each prefix copy attends causally to itself; each row attends to its run's
         prefix copy and causally to its own tokens (right padding is never seen by a
-        real token). Softmaxes are fp32 in every compute dtype.
+        real token). Softmaxes compute in fp32 in every compute dtype.
         """
         c = base.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -455,9 +455,10 @@ def prefixed_attention(
         stacked = q_i.transpose(0, 1).reshape(kv, n * g * w, d)  # every row of the run at once
         pre = torch.bmm(stacked, kp_i.transpose(1, 2))  # [K, n*g*w, P]
         pre = pre.view(kv, n, g * w, p).transpose(0, 1)
-        # torch's softmax computes in fp32 whatever the input dtype: the probabilities of an
-        # fp32 softmax and a cast, up to the last bit, without the cast's passes (forwards
-        # and backwards)
+        # torch's softmax computes in fp32 whatever the input dtype: the probabilities of
+        # an fp32 softmax and a cast, without the cast's passes; backwards it works from
+        # the rounded probabilities and a gradient in the input dtype (in bf16, within a
+        # unit in the last place of an fp32 backward and a cast)
         scores = torch.cat([pre, own_i], dim=-1)
         probs = torch.softmax(scores, dim=-1)
         probs_pre, probs_own = probs.split([p, w], dim=-1)

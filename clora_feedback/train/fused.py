@@ -5,7 +5,8 @@ elementwise ops per layer, each a pass over memory; autograd's generic
 backward of a composite (RMSNorm is eight ops forwards, more backwards)
 makes several more. Each function here computes its piece's forward with the
 same values as `clora_feedback.model.decoder` (the reference, checked against
-PEFT) and writes its backward by hand, in fewer passes:
+PEFT; `lora_linear` in bf16 rounds its sum once where the composite rounds twice)
+and writes its backward by hand, in fewer passes:
 
 - `rms_norm`: HF Llama's RMSNorm (normalise in fp32, round to the compute
   dtype, scale by the frozen weight), input gradient only.
@@ -56,13 +57,12 @@ class _RMSNorm(torch.autograd.Function):
         x, r, weight = ctx.saved_tensors
         # y = w * x * r with r = (mean(x^2) + eps)^-1/2, so with g = grad * w:
         # dx = r * g - x * r^3 * mean(g * x)
-        # (the casts ride on the ops' outputs: `out=` in another dtype, no extra passes)
-        g = torch.mul(grad, weight, out=torch.empty_like(grad, dtype=torch.float32))
+        g = (grad * weight).float()
         x32 = x.float()
         dot = torch.linalg.vecdot(g, x32, dim=-1).unsqueeze(-1)
         coef = dot.mul_(r.pow(3)).div_(-x.shape[-1])
-        dx = torch.addcmul(g.mul_(r), x32, coef, out=torch.empty_like(x))
-        return dx, None, None
+        dx = torch.addcmul(g.mul_(r), x32, coef)
+        return dx.to(x.dtype), None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,14 +168,19 @@ class _LoRALinear(torch.autograd.Function):
             downs,
             strict=True,
         )
-        for gs, xs, dxs, a, bt, xa in parts:
+        wanted = ctx.needs_input_grad[4:]  # (A, B^T) of each segment
+        for j, (gs, xs, dxs, a, bt, xa) in enumerate(parts):
+            want_a, want_bt = wanted[2 * j], wanted[2 * j + 1]
             if a is None or bt is None or xa is None:
                 d_factors += [None, None]
                 continue
-            d_xa = gs @ bt.t()  # [n, r]
-            if dxs is not None:
+            d_xa = gs @ bt.t() if dxs is not None or want_a else None  # [n, r]
+            if dxs is not None and d_xa is not None:
                 dxs.addmm_(d_xa, a)  # the LoRA's share of dx, into the base share's buffer
-            d_factors += [d_xa.t() @ xs, xa.t() @ gs]
+            d_factors += [
+                d_xa.t() @ xs if want_a and d_xa is not None else None,
+                xa.t() @ gs if want_bt else None,
+            ]
         return (dx, None, None, None, *d_factors)
 
 

@@ -26,6 +26,9 @@ import torch
 ROWS_CLASS = 32
 """Row counts are timed in classes of this many rows (rounded up)."""
 
+MIN_HALF_COLUMNS = 64
+"""Narrowest half (of the input width) worth a product of its own."""
+
 MIN_MACS = 1 << 28
 """Multiply-adds below which one product is used untimed (the split cannot pay off)."""
 
@@ -45,11 +48,14 @@ def input_gradient(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dx = grad @ weight for a frozen projection: grad [rows, out], weight [out, in] -> [rows, in].
 
     The same values as `grad @ weight` up to the order of the library's
-    accumulation (each output column's reduction is over all of `out` either way).
-    The first product of a shape class also times both ways (a few products more).
+    accumulation (each output column's reduction is over all of `out` either way),
+    so in bf16 two processes that chose differently may differ in the last bit. The
+    first product of a shape class also times both ways (a few products more); the
+    choice stands for the process (`forget_choices` to time again), so a timing
+    skewed by a burst of other work keeps a slower way until then.
     """
     rows, (out, inp) = grad.shape[0], weight.shape
-    if grad.device.type != "cpu" or inp < 2 * ROWS_CLASS or rows * out * inp < MIN_MACS:
+    if grad.device.type != "cpu" or inp < 2 * MIN_HALF_COLUMNS or rows * out * inp < MIN_MACS:
         return grad @ weight
     key = (grad.dtype, torch.get_num_threads(), -(-rows // ROWS_CLASS) * ROWS_CLASS, out, inp)
     halves = _halves_faster.get(key)
