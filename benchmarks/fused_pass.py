@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -34,16 +33,15 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from benchmarks.precision import Task, _identity, rollout
+from benchmarks.precision import Task, _identity, fresh_step_seconds, rollout
 from benchmarks.shapes import add_dtypes_option, finish
 from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES, Settings
 from clora_feedback.model import decoder
 from clora_feedback.model.resolve import resolve_model_dir
 from clora_feedback.train import forward, fused
-from clora_feedback.train.loss import LossConfig
 from clora_feedback.train.policy import COMPUTE_DTYPES, DecoderPolicy
-from clora_feedback.train.state import AdamConfig, AgentTrainState, TrainingSlot
-from clora_feedback.train.step import AgentBatch, SFTSample, train_step
+from clora_feedback.train.state import AgentTrainState
+from clora_feedback.train.step import SFTSample
 
 VARIANTS = ("fused", "one product", "composites")
 
@@ -106,28 +104,23 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     policies = {name: load(COMPUTE_DTYPES[name]) for name in args.dtypes}
     p32 = policies.get("float32") or load(torch.float32)  # samples the first-token batch
     task = Task.build(p32, seed=0, train=args.tickets, held_out=1)
-    layout, flat = _identity(p32, 8)
-    start = AgentTrainState.create("x", layout, flat)
+    start = AgentTrainState.create("x", *_identity(p32, 8))
     first_tokens = rollout(p32, start, task.train, task, torch.Generator().manual_seed(0))
     targets = [SFTSample(prompt, prompt[-args.target_tokens :]) for prompt, _ in task.train]
     batches: dict[str, dict[str, Any]] = {
         "first tokens": {"pg": first_tokens},
         f"{args.target_tokens}-token targets": {"sft": targets},
     }
-    loss, adam = LossConfig(), AdamConfig(lr=1e-3)
     seconds: dict[str, list[float]] = {}
     for rep in range(args.reps + 1):  # the first repetition warms up
         for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
             with _variant(variant):
                 for batch_name, fields in batches.items():
                     for name, policy in policies.items():
-                        state = AgentTrainState.create("x", layout, flat.clone())
-                        slot = TrainingSlot(layout.numel, policy.device)
-                        t0 = time.perf_counter()
-                        train_step(policy, [slot], [AgentBatch(state, **fields)], loss, adam)
+                        step_s = fresh_step_seconds(policy, 8, **fields)
                         if rep:
                             key = f"{batch_name}, {name}, {variant}"
-                            seconds.setdefault(key, []).append(time.perf_counter() - t0)
+                            seconds.setdefault(key, []).append(step_s)
     return seconds
 
 

@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,18 +331,13 @@ def sft_step_times(
     samples = [
         SFTSample(prompt, prompt[-args.target_tokens :]) for prompt, _ in task.train[: args.tickets]
     ]
-    layout, flat = _identity(policies["float32"], args.rank)
-    loss, adam = LossConfig(), AdamConfig(lr=args.lr, warmup_steps=args.warmup_steps)
     times: dict[str, list[float]] = {name: [] for name in policies}
     names = list(policies)
     for rep in range(args.sft_reps + 1):
         for name in names if rep % 2 == 0 else names[::-1]:
-            state = AgentTrainState.create("x", layout, flat.clone())
-            slot = TrainingSlot(layout.numel, policies[name].device)
-            t0 = time.perf_counter()
-            train_step(policies[name], [slot], [AgentBatch(state, sft=samples)], loss, adam)
+            seconds = fresh_step_seconds(policies[name], args.rank, sft=samples)
             if rep:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
     return times
 
 
@@ -588,15 +584,22 @@ def _identity(policy: DecoderPolicy, rank: int) -> tuple[LoRALayout, torch.Tenso
 
 
 def fresh_step_seconds(
-    policy: DecoderPolicy, samples: list[PGSample], rank: int, prof: Any = None
+    policy: DecoderPolicy,
+    rank: int,
+    *,
+    pg: Sequence[PGSample] = (),
+    sft: Sequence[SFTSample] = (),
+    prof: Any = None,
 ) -> float:
-    """Wall seconds of one swap step on `samples` from a fresh rank-`rank` adapter (under
-    the profiler `prof`, when given, only the step): the unit of the profiling scripts."""
+    """Wall seconds of one swap step on `pg` and `sft` samples from a fresh rank-`rank`
+    adapter (under the profiler `prof`, when given, only the step): the unit every step
+    timing here and in the profiling scripts measures."""
     state = AgentTrainState.create("x", *_identity(policy, rank))
     slot = TrainingSlot(state.layout.numel, policy.device)
+    batch = AgentBatch(state, list(pg), sft=list(sft))
     with prof if prof is not None else contextlib.nullcontext():
         t0 = time.perf_counter()
-        train_step(policy, [slot], [AgentBatch(state, samples)], LossConfig(), AdamConfig(lr=1e-3))
+        train_step(policy, [slot], [batch], LossConfig(), AdamConfig(lr=1e-3))
         return time.perf_counter() - t0
 
 

@@ -61,13 +61,13 @@ def main() -> None:
             batches.append(samples)
     warm, batches = batches[0], batches[1:]
     for policy in policies.values():  # every shape-independent first-time cost, paid here
-        fresh_step_seconds(policy, warm, args.rank)
+        fresh_step_seconds(policy, args.rank, pg=warm)
     first: dict[str, list[float]] = {name: [] for name in policies}
     again: dict[str, list[float]] = {name: [] for name in policies}
     for i, samples in enumerate(batches):
         for name in list(policies) if i % 2 == 0 else list(policies)[::-1]:
-            first[name].append(fresh_step_seconds(policies[name], samples, args.rank))
-            again[name].append(fresh_step_seconds(policies[name], samples, args.rank))
+            first[name].append(fresh_step_seconds(policies[name], args.rank, pg=samples))
+            again[name].append(fresh_step_seconds(policies[name], args.rank, pg=samples))
     print(f"{len(batches)} batches of {args.tickets} rows, widths {sorted(widths)}")
     print("| dtype | new shape (s) | same shape again (s) | new - again (ms, median) |")
     print("|---|---|---|---|")

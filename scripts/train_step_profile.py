@@ -59,15 +59,15 @@ def main() -> None:
     )
     for policy in policies.values():
         for _ in range(args.warm):
-            fresh_step_seconds(policy, samples, args.rank)
+            fresh_step_seconds(policy, args.rank, pg=samples)
     walls: dict[str, list[float]] = {name: [] for name in policies}
     for i in range(args.reps):
         for name in list(policies) if i % 2 == 0 else list(policies)[::-1]:
-            walls[name].append(fresh_step_seconds(policies[name], samples, args.rank))
+            walls[name].append(fresh_step_seconds(policies[name], args.rank, pg=samples))
     medians = {name: statistics.median(w) for name, w in walls.items()}
     for name, policy in policies.items():
         prof = profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes)
-        fresh_step_seconds(policy, samples, args.rank, prof)
+        fresh_step_seconds(policy, args.rank, pg=samples, prof=prof)
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
         gemm = sum(e.self_cpu_time_total for e in events if _is_gemm(e.key))
