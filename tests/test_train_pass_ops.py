@@ -17,11 +17,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clora_feedback.train.forward import PackedBatch, TrainLoRA, prefixed_attention
+from clora_feedback.train import forward
+from clora_feedback.train.forward import (
+    PackedBatch,
+    TrainLoRA,
+    causal_attention,
+    prefixed_attention,
+)
 from clora_feedback.train.policy import DecoderPolicy
 from clora_feedback.train.state import LoRALayout, init_lora
 
@@ -106,3 +113,72 @@ def test_prefixed_attention_matches_attention_over_copied_prefix_keys() -> None:
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads_fast, grads_ref, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_matches_sdpa_values_and_gradients(dtype: torch.dtype) -> None:
+    """Plain causal attention (the bf16 path on a CPU) against torch's SDPA with grouped
+    kv heads, in fp32 (to rounding) and in bf16 (to bf16's own rounding of SDPA in fp32)."""
+    gen = torch.Generator().manual_seed(1)
+    b, heads, kv, w, d = 2, 6, 2, 7, 8
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).requires_grad_(True)
+
+    q, k, v = leaf(b, heads, w, d), leaf(b, kv, w, d), leaf(b, kv, w, d)
+    weights = torch.randn(b, heads, w, d, generator=gen).to(dtype)
+    fast = causal_attention(q, k, v)
+    grads_fast = torch.autograd.grad((fast * weights).sum(), [q, k, v])
+    q32, k32, v32 = (x.detach().float().requires_grad_(True) for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
+    grads_ref = torch.autograd.grad((ref * weights.float()).sum(), [q32, k32, v32])
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-2, "rtol": 4e-2}
+    torch.testing.assert_close(fast.float(), ref, **tol)
+    for got, want in zip(grads_fast, grads_ref, strict=True):
+        torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_bf16_pass_attends_by_plain_matmuls_only_up_to_the_length_limit(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 pass on a CPU attends by `causal_attention` (no SDPA call) while the prefix
+    and the rows fit the limit, and by fp32 flash attention past it; fp32 always by SDPA.
+    Both ways give the same log-probabilities to bf16's rounding."""
+    counted: Counter[str] = Counter()
+    sdpa, plain = F.scaled_dot_product_attention, forward.causal_attention
+
+    def count_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        counted["sdpa"] += 1
+        return sdpa(*args, **kwargs)
+
+    def count_plain(*args: Any, **kwargs: Any) -> torch.Tensor:
+        counted["plain"] += 1
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(forward.F, "scaled_dot_product_attention", count_sdpa)
+    monkeypatch.setattr(forward, "causal_attention", count_plain)
+    system = list(range(3, 23))
+    with_prefix = PackedBatch.build([([*system, 30 + i], [40 + i, 41, 42]) for i in range(3)])
+    without = PackedBatch.build([([3 + i, 4, 5], [40 + i, 41]) for i in range(3)])
+    results: dict[tuple[str, int], torch.Tensor] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        policy = DecoderPolicy.from_dir(
+            tiny_model_dir, max_lora_rank=8, target_modules=ALL, dtype=dtype
+        )
+        layers = policy.base.config.num_layers
+        for limit in (384, 2):
+            monkeypatch.setattr(forward, "PLAIN_ATTENTION_MAX_LEN", limit)
+            for packed in (with_prefix, without):
+                counted.clear()
+                with torch.no_grad():
+                    lp = policy.token_logprobs(packed, None)
+                plain_expected = dtype == torch.bfloat16 and limit == 384
+                assert counted == Counter(
+                    {"plain": layers} if plain_expected else {"sdpa": layers}
+                ), (dtype, limit)
+                if dtype == torch.bfloat16:
+                    results[(str(limit), id(packed))] = lp
+    for packed in (with_prefix, without):
+        torch.testing.assert_close(
+            results[("384", id(packed))], results[("2", id(packed))], atol=3e-2, rtol=0
+        )

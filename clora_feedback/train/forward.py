@@ -38,6 +38,7 @@ Not here: losses, optimizer, batching policy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -368,11 +369,12 @@ class _Stream:
         c = base.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         out_dtype = qk.dtype
-        # torch's CPU flash attention runs 2x slower forward and backward in bf16 than in
-        # fp32 at these sizes, so it computes in fp32 whatever the compute dtype; the rows'
-        # attention to a shared prefix (`prefixed_attention`, plain matmuls) stays in the
-        # compute dtype, where a bf16 matmul is 2-3x an fp32 one.
-        fp32 = qk.device.type == "cpu" and out_dtype != torch.float32
+        # torch's CPU flash attention runs its backward 3x slower in bf16 than in fp32, so
+        # a reduced compute dtype on a CPU attends by plain matmuls in that dtype up to
+        # PLAIN_ATTENTION_MAX_LEN positions (`causal_attention`: 1.4-2.7x fp32 flash at
+        # 141-300) and by fp32 flash beyond (whose memory stays linear in the length).
+        # The rows' attention to a shared prefix (`prefixed_attention`) is plain matmuls.
+        reduced = qk.device.type == "cpu" and out_dtype != torch.float32
         q, k = qk.split([heads, kv], dim=1)
         v = v.view(-1, kv, d)
 
@@ -384,7 +386,9 @@ class _Stream:
             return x.transpose(1, 2).reshape(-1, heads * d)
 
         def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if fp32:
+            if reduced and q.shape[2] <= PLAIN_ATTENTION_MAX_LEN:
+                return back(causal_attention(q, k, v))
+            if reduced:
                 q, k, v = q.float(), k.float(), v.float()
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             return back(out).to(out_dtype)
@@ -402,6 +406,43 @@ class _Stream:
         """Stream index of each scored position of `mask` [B, T] (row-major)."""
         flat = mask[:, self.prefix :].reshape(-1).nonzero().squeeze(1)
         return flat + self.copies * self.prefix
+
+
+PLAIN_ATTENTION_MAX_LEN = 384
+"""Longest sequence `_Stream.attend` attends by `causal_attention` in a reduced compute
+dtype on a CPU: past ~450 positions fp32 flash attention is faster, and its memory stays
+linear in the length where plain scores grow with its square."""
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_bias(w: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[g*w, w] additive mask: 0 where query position (row % w) may see the key, else -inf."""
+    future = torch.ones(w, w, dtype=torch.bool, device=device).triu(1)
+    zeros = torch.zeros(w, w, dtype=dtype, device=device)
+    return zeros.masked_fill(future, float("-inf")).repeat(g, 1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)` by
+    plain matmuls in the input dtype: the query heads that share a kv head are stacked as
+    rows of one batched matmul whose causal mask is an added bias (`torch.baddbmm`, the
+    scale folded in), then a softmax (fp32 inside, whatever the dtype) and one more.
+
+    Args:
+        q: [B, H, w, D]; k, v: [B, K, w, D] with K dividing H.
+
+    Returns:
+        [B, H, w, D].
+    """
+    b, heads, w, d = q.shape
+    kv = k.shape[1]
+    g = heads // kv  # query head h reads kv head h // g
+    bias = _causal_bias(w, g, q.dtype, q.device)
+    scores = torch.baddbmm(
+        bias, q.reshape(b * kv, g * w, d), k.reshape(b * kv, w, d).transpose(1, 2), alpha=d**-0.5
+    )
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v.reshape(b * kv, w, d)).view(b, heads, w, d)
 
 
 def prefixed_attention(
@@ -433,9 +474,11 @@ def prefixed_attention(
     kv, p = k.shape[1], k_prefix.shape[2]
     g = heads // kv  # query head h reads kv head h // g
     q = q.reshape(b, kv, g * w, d) * d**-0.5  # row i*w + t: head j*g + i, position t
-    own = torch.matmul(q, k.transpose(2, 3))  # [B, K, g*w, w]
-    future = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)
-    own = own.masked_fill(future, float("-inf"))
+    own = torch.baddbmm(  # [B, K, g*w, w], the future masked by an added -inf
+        _causal_bias(w, g, q.dtype, q.device),
+        q.reshape(b * kv, g * w, d),
+        k.reshape(b * kv, w, d).transpose(1, 2),
+    ).view(b, kv, g * w, w)
     outs = []
     if len(run_rows) == 1:  # one run: no split, whose backward would copy each gradient
         parts: Iterable[tuple[torch.Tensor, ...]] = [
