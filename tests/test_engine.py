@@ -216,6 +216,63 @@ async def test_more_agents_than_slots_and_limits(model_dir: Path) -> None:
         await engine.stop()
 
 
+async def test_unloading_an_adapter_fails_none_of_its_queued_requests(model_dir: Path) -> None:
+    """Bug: a canary arm unloaded (its release promoted) while a burst of its requests
+    waited for rows failed the waiting ones with 404 "the adapter ... was unloaded".
+    Requests the engine accepted now run on the weights they were routed to; new ones
+    are refused at once; the adapter is dropped when the last waiting one is admitted."""
+    engine = _engine(model_dir, max_num_seqs=2, max_waiting=8)
+    await engine.start()
+    try:
+        engine.set_adapter("c", 3, random_lora_weights(engine.lora_limits, seed=5, std=0.3))
+        prompt = engine.tokenizer.encode("hello there")
+        streams = engine.add_requests(
+            [_req(f"r{i}", "c", prompt, max_tokens=8, ignore_eos=True) for i in range(6)]
+        )
+        await engine.unload_adapter("c")  # two rows run, the rest wait
+        assert engine.adapter_version("c") is None and "c" not in engine.adapters()
+        assert "c" not in engine.stats().adapters
+        with pytest.raises(NotFoundError):
+            engine.add_request(_req("late", "c", prompt, max_tokens=2))
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        for chunks in results:
+            assert len(_tokens(chunks)) == 8
+            assert {t.adapter_version for c in chunks for t in c.tokens} == {3}
+        assert engine.host_cache_stats()["bytes"] == 0  # dropped once none waited
+        await engine.unload_adapter("c")  # gone: a no-op, as for any unknown agent
+        engine.set_adapter("c", 4, random_lora_weights(engine.lora_limits, seed=6))
+        assert engine.adapter_version("c") == 4
+    finally:
+        await engine.stop()
+
+
+async def test_reloading_a_retiring_adapter_serves_its_queued_requests_the_new_version(
+    model_dir: Path,
+) -> None:
+    """An adapter loaded again under the same name while removed requests still wait:
+    it is served again (new requests accepted), the waiting ones move on with it."""
+    engine = _engine(model_dir, max_num_seqs=1, max_waiting=8)
+    await engine.start()
+    try:
+        engine.set_adapter("c", 1, random_lora_weights(engine.lora_limits, seed=5))
+        prompt = engine.tokenizer.encode("hello there")
+        streams = engine.add_requests(
+            [_req(f"r{i}", "c", prompt, max_tokens=6, ignore_eos=True) for i in range(3)]
+        )
+        engine.remove_adapter("c")
+        with pytest.raises(NotFoundError):
+            engine.remove_adapter("c")  # removed already, as far as callers can tell
+        engine.set_adapter("c", 2, random_lora_weights(engine.lora_limits, seed=6))
+        assert engine.adapter_version("c") == 2
+        streams.append(engine.add_request(_req("again", "c", prompt, max_tokens=6)))
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        assert all(len(_tokens(r)) >= 1 for r in results)
+        assert {t.adapter_version for t in results[-1][0].tokens} <= {2}
+        assert engine.adapter_version("c") == 2
+    finally:
+        await engine.stop()
+
+
 async def test_background_requests_yield_rows_to_clients(model_dir: Path) -> None:
     """Evaluation traffic (the gate's, the probe's) queues no client behind it: with three
     background requests ahead of three clients in a 6-row engine, one background row runs

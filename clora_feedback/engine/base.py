@@ -93,7 +93,9 @@ class Engine(Protocol):
 
     async def unload_adapter(self, agent: str) -> None:
         """Stop serving `agent`'s adapter (a no-op when it has none); later requests for
-        it fail with `NotFoundError` unless the caller routes them with `agent=None`."""
+        it fail with `NotFoundError` unless the caller routes them with `agent=None`.
+        Requests already accepted for it (queued or running) still complete on its
+        weights: an unload fails none of them."""
         ...
 
     def adapter_version(self, agent: str) -> int | None:

@@ -192,6 +192,9 @@ class EmbeddedEngine:
         self._running: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
         self._aborts: set[str] = set()
+        self._retiring: set[str] = set()
+        """Agents removed while requests queued for them still wait: those still run on
+        its weights (they were accepted); new ones are refused; dropped by `_retire`."""
         self._free_rows = list(range(config.max_num_seqs))
         self._slots = AdapterSlots(
             self.model,
@@ -293,7 +296,7 @@ class EmbeddedEngine:
 
     def _check_admission(self, request: GenerationRequest, arriving: int) -> None:
         """Under the lock: the agent is served, the id is new, the queue has room."""
-        if request.agent is not None and request.agent not in self._slots:
+        if request.agent is not None and not self._serves(request.agent):
             raise NotFoundError(f"no adapter is loaded for agent {request.agent!r}", param="model")
         if request.request_id in self._by_id:
             raise InvalidRequestError(f"duplicate request id {request.request_id}")
@@ -384,10 +387,39 @@ class EmbeddedEngine:
         """
         if not checked:
             weights.validate(self.model.limits)  # raises AdapterError before anything changes
+        with self._lock:
+            self._retiring.discard(agent)  # served again: its queued requests move on with it
         self._slots.stage(agent, version, weights if owned else weights.clone())
 
     def remove_adapter(self, agent: str) -> None:
-        self._slots.remove(agent)
+        """Stop serving `agent` to new requests. Requests already queued for it were
+        accepted and still run on its weights, as running rows finish on them; its adapter
+        is dropped once none waits (a release arm ending under a burst of its requests
+        fails none of them).
+
+        Raises:
+            NotFoundError: no adapter is loaded for `agent`.
+        """
+        with self._lock:
+            if agent in self._retiring:
+                raise NotFoundError(f"no adapter is loaded for agent {agent!r}", param="lora_name")
+            if any(seq.request.agent == agent for seq in self._waiting):
+                self._retiring.add(agent)
+                return
+            self._slots.remove(agent)
+
+    def _serves(self, agent: str) -> bool:
+        """`agent` has an adapter that new requests may use (holds the lock)."""
+        return agent in self._slots and agent not in self._retiring
+
+    def _retire(self) -> None:
+        """Drop the adapters of removed agents that no queued request waits for any more
+        (holds the lock; the step clears their slots once their running rows finish)."""
+        for agent in [
+            a for a in self._retiring if all(s.request.agent != a for s in self._waiting)
+        ]:
+            self._retiring.discard(agent)
+            self._slots.remove(agent)
 
     async def load_adapter(self, ref: AdapterRef) -> None:
         """Engine Protocol: `ref.weights` when given, else `ref.path` read off the event loop;
@@ -414,6 +446,8 @@ class EmbeddedEngine:
             AdapterError: the directory does not fit the engine; nothing changed.
         """
         check_peft_adapter(path, limits=self.model.limits)
+        with self._lock:
+            self._retiring.discard(agent)
         self._slots.register(agent, version, Path(path))
 
     def set_adapter_source(self, agent: str, version: int, path: Path) -> None:
@@ -428,12 +462,12 @@ class EmbeddedEngine:
     async def unload_adapter(self, agent: str) -> None:
         """Engine Protocol: drop `agent`'s adapter; a no-op when none is loaded."""
         with self._lock:
-            if agent not in self._slots:
-                return
-        self.remove_adapter(agent)
+            if self._serves(agent):
+                self.remove_adapter(agent)
 
     def adapter_version(self, agent: str) -> int | None:
-        return self._slots.version(agent)
+        with self._lock:
+            return self._slots.version(agent) if self._serves(agent) else None
 
     def prefetch(self, agent: str) -> None:
         """Engine Protocol: a cold agent's version directory starts being read on a reader
@@ -447,6 +481,9 @@ class EmbeddedEngine:
     def adapter_weights(self, agent: str) -> tuple[int, LoRAWeights] | None:
         """The live (version, host copy of the weights) of an agent's adapter; do not mutate.
         Blocking: a cold agent's weights are read from its directory first."""
+        with self._lock:
+            if agent in self._retiring:
+                return None
         return self._slots.get(agent)
 
     def host_cache_stats(self) -> dict[str, int]:
@@ -460,7 +497,12 @@ class EmbeddedEngine:
         }
 
     def adapters(self) -> dict[str, int]:
-        return self._slots.versions()
+        with self._lock:
+            return self._served_versions()
+
+    def _served_versions(self) -> dict[str, int]:
+        """agent -> the version new requests get (holds the lock)."""
+        return {a: v for a, v in self._slots.versions().items() if a not in self._retiring}
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -471,7 +513,7 @@ class EmbeddedEngine:
                 max_waiting=self.config.max_waiting,
                 steps=self._steps,
                 generated_tokens=self._generated,
-                adapters=self._slots.versions(),
+                adapters=self._served_versions(),
                 prefix_cache=self.prefix_cache.stats() if self.prefix_cache else None,
                 host_cache=HostCacheStats(**self.host_cache_stats()),
             )
@@ -616,6 +658,7 @@ class EmbeddedEngine:
                 background += 1
         self._running.sort(key=lambda s: s.row)
         with self._lock:
+            self._retire()
             return sum(1 for s in self._waiting if not s.request.background)
 
     def _remove_waiting(self, seq: _Sequence) -> None:
