@@ -12,11 +12,15 @@ import pytest
 from clora_feedback.config import AgentConfig, EngineConfig
 from clora_feedback.engine.deployer import Deployer
 from clora_feedback.engine.embedded import EmbeddedEngine
+from clora_feedback.engine.types import SamplingParams
 from clora_feedback.errors import AdapterError, InvalidRequestError, NotFoundError
-from clora_feedback.gateway.agents import AgentRegistry
+from clora_feedback.gateway.agents import AgentRegistry, Route
+from clora_feedback.gateway.metrics import Metrics
+from clora_feedback.gateway.serving import Serving
 from clora_feedback.lora.peft_io import save_peft_adapter
 from clora_feedback.lora.weights import random_lora_weights
 from clora_feedback.store.registry import AdapterRegistry
+from clora_feedback.store.trajectories import AsyncTrajectoryStore
 
 if TYPE_CHECKING:
     from conftest import GatewayFactory
@@ -81,6 +85,42 @@ async def test_routing_of_base_configured_and_unknown_models(
             registry.resolve("ghost")
         assert (info.value.param, info.value.code) == ("model", "model_not_found")
     finally:
+        await deployer.deactivate("tuned")
+
+
+async def test_a_canary_arm_that_ended_before_the_run_started_serves_the_serving_version(
+    engine: EmbeddedEngine, deployer: Deployer, adapter_dir: Path, tmp_path: Path
+) -> None:
+    """Bug class: a request routed to a canary arm whose release ended (promoted or
+    aborted, the arm unloaded) while its prompt was built got 404 "no adapter is loaded
+    for agent 'tuned@canary'". It now runs on the agent's serving version, and the route
+    it returns (for the response and the trajectory) says so."""
+    registry = AgentRegistry(engine, deployer)
+    await registry.start([AgentConfig(name="tuned")])
+    await registry.load_adapter("tuned", adapter_dir)
+    registry.canary_route = lambda agent, key: ("tuned@canary", 9)  # an arm not loaded (any more)
+    store = AsyncTrajectoryStore(tmp_path / "t.db")
+    serving = Serving(engine, registry, store, Metrics())
+    try:
+        routed = registry.resolve("tuned", sticky="k")
+        assert (routed.engine_agent, routed.adapter_version) == ("tuned@canary", 9)
+        sampling = SamplingParams(max_tokens=1)
+        route, _, run = serving.start(
+            routed, id_prefix="chatcmpl", prompts=[[1, 2, 3]], sampling=sampling, n=1
+        )
+        run.abort()  # the engine is not started: the run was queued, that is all it shows
+        assert (route.agent, route.engine_agent, route.adapter_version) == ("tuned", "tuned", 1)
+        registry.canary_route = None
+        with pytest.raises(NotFoundError):  # no arm involved: the agent's own refusal stands
+            serving.start(
+                Route("ghost", "ghost", "ghost", 1),
+                id_prefix="chatcmpl",
+                prompts=[[1, 2, 3]],
+                sampling=sampling,
+                n=1,
+            )
+    finally:
+        await store.stop()
         await deployer.deactivate("tuned")
 
 

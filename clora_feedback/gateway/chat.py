@@ -258,7 +258,7 @@ class ChatHandler:
             top_logprobs=body.top_logprobs or 0,
             controls=body,
         )
-        completion_id, run = serving.start(
+        route, completion_id, run = serving.start(
             route,
             id_prefix="chatcmpl",
             prompts=[prompt.token_ids],

@@ -102,7 +102,7 @@ class CompletionHandler:
             top_logprobs=body.logprobs or 0,
             controls=body,
         )
-        completion_id, run = serving.start(
+        route, completion_id, run = serving.start(
             route, id_prefix="cmpl", prompts=prompts, sampling=sampling, n=body.n or 1
         )
         turn = CompletionTurn(completion_id, body, principal, route, run)

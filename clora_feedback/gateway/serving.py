@@ -18,6 +18,7 @@ from typing import Protocol
 
 from clora_feedback.engine.base import Engine
 from clora_feedback.engine.types import GuidedDecoding, SamplingParams
+from clora_feedback.errors import NotFoundError
 from clora_feedback.gateway.agents import AgentRegistry, Route, sticky_key
 from clora_feedback.gateway.auth import Principal
 from clora_feedback.gateway.capture import Capture
@@ -76,20 +77,32 @@ class Serving:
         sampling: SamplingParams,
         n: int,
         guided: GuidedDecoding | None = None,
-    ) -> tuple[str, GenerationRun]:
-        """A fresh completion id (`{id_prefix}-{hex}`) and its engine run, under way.
+    ) -> tuple[Route, str, GenerationRun]:
+        """The route served, a fresh completion id (`{id_prefix}-{hex}`) and its engine
+        run, under way. A request routed to a release arm (a canary) that ended while its
+        prompt was built goes to the agent's serving version instead: the returned route
+        says which, for the response and the trajectory.
 
         Raises:
             CloraError: what the engine refuses at submission (see `Engine.add_requests`).
         """
         completion_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        run = GenerationRun(
-            self.engine,
-            completion_id=completion_id,
-            agent=route.engine_agent,
-            prompts=prompts,
-            sampling=sampling,
-            n=n,
-            guided=guided,
-        )
-        return completion_id, run
+
+        def run_on(route: Route) -> GenerationRun:
+            return GenerationRun(
+                self.engine,
+                completion_id=completion_id,
+                agent=route.engine_agent,
+                prompts=prompts,
+                sampling=sampling,
+                n=n,
+                guided=guided,
+            )
+
+        try:
+            return route, completion_id, run_on(route)
+        except NotFoundError:
+            if route.agent is None or route.engine_agent in (None, route.agent):
+                raise  # not an arm: the agent's own adapter is gone
+        route = self.agents.resolve(route.model)  # no sticky key: the serving version
+        return route, completion_id, run_on(route)
