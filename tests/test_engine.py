@@ -264,11 +264,15 @@ async def test_reloading_a_retiring_adapter_serves_its_queued_requests_the_new_v
             engine.remove_adapter("c")  # removed already, as far as callers can tell
         engine.set_adapter("c", 2, random_lora_weights(engine.lora_limits, seed=6))
         assert engine.adapter_version("c") == 2
-        streams.append(engine.add_request(_req("again", "c", prompt, max_tokens=6)))
+        streams.append(
+            engine.add_request(_req("again", "c", prompt, max_tokens=6, ignore_eos=True))
+        )
         results = await asyncio.gather(*(s.collect() for s in streams))
-        assert all(len(_tokens(r)) >= 1 for r in results)
-        assert {t.adapter_version for t in results[-1][0].tokens} <= {2}
-        assert engine.adapter_version("c") == 2
+        assert all(len(_tokens(r)) == 6 for r in results)  # none failed
+        assert {t.adapter_version for c in results[-1] for t in c.tokens} == {2}
+        queued = {t.adapter_version for r in results[1:3] for c in r for t in c.tokens}
+        assert queued <= {1, 2}  # admitted before or after the new version's flip
+        assert engine.adapter_version("c") == 2 and engine.adapters() == {"c": 2}
     finally:
         await engine.stop()
 

@@ -89,27 +89,33 @@ async def test_routing_of_base_configured_and_unknown_models(
 
 
 async def test_a_canary_arm_that_ended_before_the_run_started_serves_the_serving_version(
-    engine: EmbeddedEngine, deployer: Deployer, adapter_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, adapter_dir: Path, tmp_path: Path
 ) -> None:
     """Bug class: a request routed to a canary arm whose release ended (promoted or
     aborted, the arm unloaded) while its prompt was built got 404 "no adapter is loaded
     for agent 'tuned@canary'". It now runs on the agent's serving version, and the route
     it returns (for the response and the trajectory) says so."""
-    registry = AgentRegistry(engine, deployer)
-    await registry.start([AgentConfig(name="tuned")])
-    await registry.load_adapter("tuned", adapter_dir)
-    registry.canary_route = lambda agent, key: ("tuned@canary", 9)  # an arm not loaded (any more)
+    engine = EmbeddedEngine(
+        tiny_model_dir, EngineConfig(model=str(tiny_model_dir), max_model_len=64), model_name="base"
+    )
+    adapters = AdapterRegistry(tmp_path / "adapters", tmp_path / "registry.db")
+    registry = AgentRegistry(engine, Deployer(engine, adapters))
     store = AsyncTrajectoryStore(tmp_path / "t.db")
     serving = Serving(engine, registry, store, Metrics())
+    await engine.start()
     try:
+        await registry.start([AgentConfig(name="tuned")])
+        await registry.load_adapter("tuned", adapter_dir)
+        registry.canary_route = lambda agent, key: ("tuned@canary", 9)  # an arm not loaded
         routed = registry.resolve("tuned", sticky="k")
         assert (routed.engine_agent, routed.adapter_version) == ("tuned@canary", 9)
-        sampling = SamplingParams(max_tokens=1)
+        sampling = SamplingParams(max_tokens=3, ignore_eos=True)
         route, _, run = serving.start(
             routed, id_prefix="chatcmpl", prompts=[[1, 2, 3]], sampling=sampling, n=1
         )
-        run.abort()  # the engine is not started: the run was queued, that is all it shows
         assert (route.agent, route.engine_agent, route.adapter_version) == ("tuned", "tuned", 1)
+        (choice,) = await run.run()
+        assert choice.versions == [1, 1, 1]  # served by the agent's own adapter
         registry.canary_route = None
         with pytest.raises(NotFoundError):  # no arm involved: the agent's own refusal stands
             serving.start(
@@ -120,8 +126,9 @@ async def test_a_canary_arm_that_ended_before_the_run_started_serves_the_serving
                 n=1,
             )
     finally:
+        await engine.stop()
         await store.stop()
-        await deployer.deactivate("tuned")
+        adapters.close()
 
 
 async def test_load_replace_unload_cycle(

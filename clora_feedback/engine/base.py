@@ -94,8 +94,9 @@ class Engine(Protocol):
     async def unload_adapter(self, agent: str) -> None:
         """Stop serving `agent`'s adapter (a no-op when it has none); later requests for
         it fail with `NotFoundError` unless the caller routes them with `agent=None`.
-        Requests already accepted for it (queued or running) still complete on its
-        weights: an unload fails none of them."""
+        Requests already accepted for it (queued or running) still complete, on its
+        weights (or on a new version if the name is loaded again while they wait): an
+        unload fails none of them."""
         ...
 
     def adapter_version(self, agent: str) -> int | None:

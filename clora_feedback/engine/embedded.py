@@ -845,6 +845,7 @@ class EmbeddedEngine:
         with self._lock:
             victims = list(self._running) + list(self._waiting)
             self._waiting.clear()
+            self._retire()  # none waits for a removed adapter any more
         for seq in victims:
             if seq in self._running:
                 self._running.remove(seq)

@@ -24,8 +24,10 @@ model: the reference policy for the KL term, with no second model in memory.
 
 Precision: the pass computes in the base weights' dtype (the trainer's
 compute dtype, see `policy`). In bf16 the activations, the base GEMMs and the
-LoRA matmuls are bf16; each agent's fp32 master is cast once per pass (its
-gradient comes back through that cast and accumulates in fp32), and the final
+LoRA matmuls are bf16, and so is attention on a CPU up to `PLAIN_ATTENTION_MAX_LEN`
+positions (plain matmuls; fp32 flash attention past it); each agent's fp32 master
+is cast once per pass (its gradient comes back through that cast and accumulates
+in fp32), and the final
 norm, the vocabulary projection and the log-softmax run in fp32 on an fp32
 copy of the head (`head`): a bf16 logit of magnitude 20 is only good to
 0.06, which an importance ratio would see as noise. The head's backward
@@ -364,7 +366,9 @@ class _Stream:
 
         Each prefix copy attends causally to itself; each row attends to its run's
         prefix copy and causally to its own tokens (right padding is never seen by a
-        real token). Softmaxes compute in fp32 in every compute dtype.
+        real token). Softmaxes compute in fp32 inside whatever the compute dtype; in
+        bf16 on a CPU the scores and probabilities they read and write are bf16 (plain
+        matmuls, up to `PLAIN_ATTENTION_MAX_LEN` positions), fp32 past it (flash).
         """
         c = base.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -372,7 +376,8 @@ class _Stream:
         # torch's CPU flash attention runs its backward 3x slower in bf16 than in fp32, so
         # a reduced compute dtype on a CPU attends by plain matmuls in that dtype up to
         # PLAIN_ATTENTION_MAX_LEN positions (`causal_attention`: 1.4-2.7x fp32 flash at
-        # 141-300) and by fp32 flash beyond (whose memory stays linear in the length).
+        # 141-300 positions, 0.9x for short rows without a prefix) and by fp32 flash
+        # beyond (whose memory stays linear in the length).
         # The rows' attention to a shared prefix (`prefixed_attention`) is plain matmuls.
         reduced = qk.device.type == "cpu" and out_dtype != torch.float32
         q, k = qk.split([heads, kv], dim=1)
@@ -385,7 +390,7 @@ class _Stream:
         def back(x: torch.Tensor) -> torch.Tensor:  # [n, H, len, D] -> [n*len, H*D]
             return x.transpose(1, 2).reshape(-1, heads * d)
 
-        def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if reduced and q.shape[2] <= PLAIN_ATTENTION_MAX_LEN:
                 return back(causal_attention(q, k, v))
             if reduced:
@@ -394,13 +399,13 @@ class _Stream:
             return back(out).to(out_dtype)
 
         if not self.prefix:
-            return flash(*(rows_of(x, self.rows, self.width) for x in (q, k, v)))
+            return causal(*(rows_of(x, self.rows, self.width) for x in (q, k, v)))
         n, p, w = self.copies, self.prefix, self.width
         (q_p, q_r), (k_p, k_r), (v_p, v_r) = (x.split([n * p, self.rows * w]) for x in (q, k, v))
         q_p, k_p, v_p = (rows_of(x, n, p) for x in (q_p, k_p, v_p))
         q_r, k_r, v_r = (rows_of(x, self.rows, w) for x in (q_r, k_r, v_r))
         attn = prefixed_attention(q_r, k_p, v_p, k_r, v_r, self.run_rows)
-        return torch.cat([flash(q_p, k_p, v_p), back(attn)])
+        return torch.cat([causal(q_p, k_p, v_p), back(attn)])
 
     def scored(self, mask: torch.Tensor) -> torch.Tensor:
         """Stream index of each scored position of `mask` [B, T] (row-major)."""
@@ -414,12 +419,22 @@ dtype on a CPU: past ~450 positions fp32 flash attention is faster, and its memo
 linear in the length where plain scores grow with its square."""
 
 
-@functools.lru_cache(maxsize=32)
 def _causal_bias(w: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[g*w, w] additive mask: 0 where query position (row % w) may see the key, else -inf."""
+    """[g*w, w] additive mask: 0 where query position (row % w) may see the key, else -inf.
+    Kept for short lengths (every layer of a pass reads the same one; at most a few MB
+    held); built per call past `PLAIN_ATTENTION_MAX_LEN`, where one would weigh tens of MB."""
+    if w <= PLAIN_ATTENTION_MAX_LEN:
+        return _kept_causal_bias(w, g, dtype, device)
+    return _build_causal_bias(w, g, dtype, device)
+
+
+def _build_causal_bias(w: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     future = torch.ones(w, w, dtype=torch.bool, device=device).triu(1)
     zeros = torch.zeros(w, w, dtype=dtype, device=device)
     return zeros.masked_fill(future, float("-inf")).repeat(g, 1)
+
+
+_kept_causal_bias = functools.lru_cache(maxsize=16)(_build_causal_bias)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
