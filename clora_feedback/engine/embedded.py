@@ -460,7 +460,8 @@ class EmbeddedEngine:
         return load_peft_adapter(path, limits=self.model.limits)
 
     async def unload_adapter(self, agent: str) -> None:
-        """Engine Protocol: drop `agent`'s adapter; a no-op when none is loaded."""
+        """Engine Protocol: `remove_adapter` (its queued requests still run); a no-op when
+        no adapter is served for `agent`."""
         with self._lock:
             if self._serves(agent):
                 self.remove_adapter(agent)

@@ -375,9 +375,9 @@ class _Stream:
         out_dtype = qk.dtype
         # torch's CPU flash attention runs its backward 3x slower in bf16 than in fp32, so
         # a reduced compute dtype on a CPU attends by plain matmuls in that dtype up to
-        # PLAIN_ATTENTION_MAX_LEN positions (`causal_attention`: 1.4-2.7x fp32 flash at
-        # 141-300 positions, 0.9x for short rows without a prefix) and by fp32 flash
-        # beyond (whose memory stays linear in the length).
+        # PLAIN_ATTENTION_MAX_LEN positions (`causal_attention`: 1.3-2.4x fp32 flash at
+        # 26-300 positions, `python -m benchmarks.attention`) and by fp32 flash beyond
+        # (whose memory stays linear in the length).
         # The rows' attention to a shared prefix (`prefixed_attention`) is plain matmuls.
         reduced = qk.device.type == "cpu" and out_dtype != torch.float32
         q, k = qk.split([heads, kv], dim=1)
@@ -415,8 +415,9 @@ class _Stream:
 
 PLAIN_ATTENTION_MAX_LEN = 384
 """Longest sequence `_Stream.attend` attends by `causal_attention` in a reduced compute
-dtype on a CPU: past ~450 positions fp32 flash attention is faster, and its memory stays
-linear in the length where plain scores grow with its square."""
+dtype on a CPU: from 400-600 positions on fp32 flash attention is as fast or faster
+(`python -m benchmarks.attention`), and its memory stays linear in the length where
+plain scores grow with its square."""
 
 
 def _causal_bias(w: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

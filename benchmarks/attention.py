@@ -1,0 +1,124 @@
+"""`python -m benchmarks.attention`: the training pass's causal attention in bf16, by plain
+matmuls against torch's flash kernel.
+
+`clora_feedback.train.forward._Stream.attend` attends, in a reduced compute dtype
+on a CPU, by `forward.causal_attention` (plain bf16 matmuls) up to
+`forward.PLAIN_ATTENTION_MAX_LEN` positions and by torch's flash attention in
+fp32 beyond (torch's CPU flash backward is slower in bf16 than in fp32). This
+times one layer's attention, forward and backward, at SmolLM2-135M's heads (9
+query heads over 3 kv heads of 64) for each `--shapes` entry (rows x positions),
+alternated per repetition: `plain bf16` (`causal_attention`), `flash via fp32`
+(bf16 inputs cast to fp32, flash, cast back: what the pass did before) and
+`flash bf16` (torch's kernel on the bf16 inputs). Reported: the median
+milliseconds per shape and way, and flash via fp32 / plain bf16 per shape (above
+1: plain is faster). Prints the CPU model and flags. Not a test: nothing asserts.
+
+Not here: a whole step (`python -m benchmarks.precision`, `benchmarks.fused_pass`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.shapes import finish
+from clora_feedback.train.forward import causal_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _flash_via_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True
+    )
+    return out.to(q.dtype)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+WAYS: dict[str, Attention] = {
+    "plain bf16": causal_attention,
+    "flash via fp32": _flash_via_fp32,
+    "flash bf16": _flash,
+}
+
+
+def _shape(text: str) -> tuple[int, int]:
+    rows, _, length = text.partition("x")
+    return int(rows), int(length)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--shapes",
+        type=lambda text: [_shape(s) for s in text.split(",")],
+        default=[(1, 141), (8, 26), (8, 170), (2, 300), (1, 400), (1, 600)],
+        help="rows x positions, comma-separated (default: 1x141,8x26,8x170,2x300,1x400,1x600).",
+    )
+    p.add_argument("--reps", type=int, default=20, help="Timed repetitions per shape and way.")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")
+    p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    return p
+
+
+def _seconds(way: Attention, rows: int, length: int, gen: torch.Generator) -> float:
+    """One forward and backward of `way` on fresh bf16 inputs of the shape."""
+
+    def leaf(heads: int) -> torch.Tensor:
+        x = torch.randn(rows, heads, length, HEAD_DIM, generator=gen).bfloat16()
+        return x.requires_grad_(True)
+
+    q, k, v = leaf(HEADS), leaf(KV_HEADS), leaf(KV_HEADS)
+    grad = torch.randn(rows, HEADS, length, HEAD_DIM, generator=gen).bfloat16()
+    t0 = time.perf_counter()
+    way(q, k, v).backward(grad)
+    return time.perf_counter() - t0
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per (shape, way), the ways alternated per repetition after one warm-up each."""
+    gen = torch.Generator().manual_seed(0)
+    seconds: dict[str, list[float]] = {}
+    for rows, length in args.shapes:
+        names = list(WAYS)
+        for name in names:
+            _seconds(WAYS[name], rows, length, gen)  # kernels built, buffers touched
+        for rep in range(args.reps):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                key = f"{rows}x{length}, {name}"
+                seconds.setdefault(key, []).append(_seconds(WAYS[name], rows, length, gen))
+    return seconds
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seconds = measure(args)
+    median = {key: statistics.median(values) for key, values in seconds.items()}
+    print(f"| shape, way | ms forward + backward (median of {args.reps}) |")
+    print("|---|---|")
+    for key, value in median.items():
+        print(f"| {key} | {value * 1e3:.3f} |")
+    ratios = {
+        f"{rows}x{length}: flash via fp32 / plain bf16": median[f"{rows}x{length}, flash via fp32"]
+        / median[f"{rows}x{length}, plain bf16"]
+        for rows, length in args.shapes
+    }
+    return finish(args, ratios, {"seconds": seconds})
+
+
+if __name__ == "__main__":
+    sys.exit(run())
