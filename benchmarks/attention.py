@@ -19,7 +19,6 @@ Not here: a whole step (`python -m benchmarks.precision`, `benchmarks.fused_pass
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.shapes import finish
+from benchmarks.shapes import finish, print_medians
 from clora_feedback.train.forward import causal_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -107,11 +106,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     seconds = measure(args)
-    median = {key: statistics.median(values) for key, values in seconds.items()}
-    print(f"| shape, way | ms forward + backward (median of {args.reps}) |")
-    print("|---|---|")
-    for key, value in median.items():
-        print(f"| {key} | {value * 1e3:.3f} |")
+    median = print_medians(seconds, "shape, way (forward + backward)", unit="ms")
     ratios = {
         f"{rows}x{length}: flash via fp32 / plain bf16": median[f"{rows}x{length}, flash via fp32"]
         / median[f"{rows}x{length}, plain bf16"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.precision import Task, _identity, fresh_step_seconds, rollout
-from benchmarks.shapes import add_dtypes_option, finish
+from benchmarks.shapes import add_dtypes_option, finish, print_medians
 from clora_feedback.config import DEFAULT_MODEL, DEFAULT_TARGET_MODULES, Settings
 from clora_feedback.model import decoder
 from clora_feedback.model.resolve import resolve_model_dir
@@ -141,11 +140,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     seconds = measure(args)
-    median = {key: statistics.median(values) for key, values in seconds.items()}
-    print(f"| step ({args.tickets} rows) | seconds (median of {args.reps}) |")
-    print("|---|---|")
-    for key, value in median.items():
-        print(f"| {key} | {value:.3f} |")
+    median = print_medians(seconds, f"step ({args.tickets} rows)")
     ratios = {
         f"{key.removesuffix(', fused')}: {other} / fused": median[key.removesuffix("fused") + other]
         / value

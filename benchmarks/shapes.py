@@ -1,6 +1,7 @@
 """What the in-process benchmarks share: the batch-shape ones' (`mixed_rows`, `fused_prefill`)
-common options and closing lines (ratios, the CPU's facts, the optional JSON record), and a
-`--dtypes` option (`fused_pass`, `engine_ratio`).
+common options and closing lines (ratios, the CPU's facts, the optional JSON record), a
+`--dtypes` option (`fused_pass`, `engine_ratio`) and the table of median times
+(`fused_pass`, `attention`).
 
 Not here: the shapes each one measures.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,20 @@ def add_engine_options(p: argparse.ArgumentParser, *, dtype: str) -> None:
     p.add_argument("--dtype", default=dtype, help="engine.dtype (float32, bfloat16, auto).")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")
     p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+
+
+def print_medians(
+    seconds: dict[str, list[float]], header: str, *, unit: str = "s"
+) -> dict[str, float]:
+    """Print `| header | unit (median of n) |` and one row per key; returns the medians (s)."""
+    median = {key: statistics.median(values) for key, values in seconds.items()}
+    reps = max((len(values) for values in seconds.values()), default=0)
+    scale = {"s": 1.0, "ms": 1e3}[unit]
+    print(f"| {header} | {unit} (median of {reps}) |")
+    print("|---|---|")
+    for key, value in median.items():
+        print(f"| {key} | {value * scale:.3f} |")
+    return median
 
 
 def finish(args: argparse.Namespace, ratios: dict[str, float], record: dict[str, Any]) -> int:
