@@ -138,29 +138,35 @@ def test_causal_attention_matches_sdpa_values_and_gradients(dtype: torch.dtype) 
         torch.testing.assert_close(got.float(), want, **tol)
 
 
-def test_bf16_pass_attends_by_plain_matmuls_only_up_to_the_length_limit(
+def test_a_pass_on_a_cpu_attends_by_plain_matmuls_only_up_to_the_length_limit(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bf16 pass on a CPU attends by `causal_attention` (no SDPA call) while the prefix
-    and the rows fit the limit, and by fp32 flash attention past it; fp32 always by SDPA.
-    Both ways give the same log-probabilities to bf16's rounding."""
+    """On a CPU a pass with a shared prefix that fits the limit attends by one function
+    (`stream_attention`) in either dtype; past the limit, by flash attention for the
+    prefix. Rows without a prefix attend by `causal_attention` in bf16 while they fit,
+    else by SDPA (fp32 always). Each way gives the other's log-probabilities (fp32: to
+    rounding; bf16: to bf16's)."""
     counted: Counter[str] = Counter()
-    sdpa, plain = F.scaled_dot_product_attention, forward.causal_attention
+    sdpa, plain, stream = (
+        F.scaled_dot_product_attention,
+        forward.causal_attention,
+        forward.stream_attention,
+    )
 
-    def count_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
-        counted["sdpa"] += 1
-        return sdpa(*args, **kwargs)
+    def counting(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            counted[name] += 1
+            return fn(*args, **kwargs)
 
-    def count_plain(*args: Any, **kwargs: Any) -> torch.Tensor:
-        counted["plain"] += 1
-        return plain(*args, **kwargs)
+        return run
 
-    monkeypatch.setattr(forward.F, "scaled_dot_product_attention", count_sdpa)
-    monkeypatch.setattr(forward, "causal_attention", count_plain)
+    monkeypatch.setattr(forward.F, "scaled_dot_product_attention", counting("sdpa", sdpa))
+    monkeypatch.setattr(forward, "causal_attention", counting("plain", plain))
+    monkeypatch.setattr(forward, "stream_attention", counting("stream", stream))
     system = list(range(3, 23))
     with_prefix = PackedBatch.build([([*system, 30 + i], [40 + i, 41, 42]) for i in range(3)])
     without = PackedBatch.build([([3 + i, 4, 5], [40 + i, 41]) for i in range(3)])
-    results: dict[tuple[str, int], torch.Tensor] = {}
+    results: dict[tuple[torch.dtype, int, str], torch.Tensor] = {}
     for dtype in (torch.float32, torch.bfloat16):
         policy = DecoderPolicy.from_dir(
             tiny_model_dir, max_lora_rank=8, target_modules=ALL, dtype=dtype
@@ -168,17 +174,19 @@ def test_bf16_pass_attends_by_plain_matmuls_only_up_to_the_length_limit(
         layers = policy.base.config.num_layers
         for limit in (384, 2):
             monkeypatch.setattr(forward, "PLAIN_ATTENTION_MAX_LEN", limit)
-            for packed in (with_prefix, without):
+            for name, packed in (("prefix", with_prefix), ("no prefix", without)):
                 counted.clear()
                 with torch.no_grad():
-                    lp = policy.token_logprobs(packed, None)
-                plain_expected = dtype == torch.bfloat16 and limit == 384
-                assert counted == Counter(
-                    {"plain": layers} if plain_expected else {"sdpa": layers}
-                ), (dtype, limit)
-                if dtype == torch.bfloat16:
-                    results[(str(limit), id(packed))] = lp
-    for packed in (with_prefix, without):
-        torch.testing.assert_close(
-            results[("384", id(packed))], results[("2", id(packed))], atol=3e-2, rtol=0
-        )
+                    results[(dtype, limit, name)] = policy.token_logprobs(packed, None)
+                if name == "prefix" and limit == 384:
+                    expected = "stream"
+                elif name == "no prefix" and dtype == torch.bfloat16 and limit == 384:
+                    expected = "plain"
+                else:
+                    expected = "sdpa"
+                assert counted == Counter({expected: layers}), (dtype, limit, name)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        for name in ("prefix", "no prefix"):
+            torch.testing.assert_close(
+                results[(dtype, 384, name)], results[(dtype, 2, name)], atol=tol, rtol=0
+            )

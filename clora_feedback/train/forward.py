@@ -40,7 +40,6 @@ Not here: losses, optimizer, batching policy.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ import torch.nn.functional as F
 from clora_feedback.lora.weights import module_key
 from clora_feedback.model.base import GROUPS, BaseWeights
 from clora_feedback.model.decoder import rope_signed, signed_sin
+from clora_feedback.train.attention import causal_bias, stream_attention
 from clora_feedback.train.fused import (
     LoRAPiece,
     frozen_linear,
@@ -286,7 +286,7 @@ def scored_hidden(
         x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
         qk, v = _project(base, x, i, "qkv", rows_lora).split([qk_width, v_width], dim=-1)
         qk = rope_signed(qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
-        h = h + _project(base, stream.attend(base, qk, v), i, "o", rows_lora)
+        h = h + _project(base, stream.attend(qk, v, c.num_heads), i, "o", rows_lora)
         x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
         h = h + _project(
             base, swiglu(_project(base, x, i, "gate_up", rows_lora)), i, "down", rows_lora
@@ -361,25 +361,37 @@ class _Stream:
                 merged.append((agent, start, end))
         return merged
 
-    def attend(self, base: BaseWeights, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """qk [N, H+K, D] (RoPE applied), v [N, K*D] -> [N, H*D] attention output.
+    def attend(
+        self, qk: torch.Tensor, v: torch.Tensor, heads: int, *, one_function: bool = True
+    ) -> torch.Tensor:
+        """qk [N, H+K, D] (RoPE applied; `heads` = H), v [N, K*D] -> [N, H*D] attention output.
 
         Each prefix copy attends causally to itself; each row attends to its run's
         prefix copy and causally to its own tokens (right padding is never seen by a
-        real token). Softmaxes compute in fp32 inside whatever the compute dtype; in
-        bf16 on a CPU the scores and probabilities they read and write are bf16 (plain
-        matmuls, up to `PLAIN_ATTENTION_MAX_LEN` positions), fp32 past it (flash).
+        real token). Softmaxes compute in fp32 inside whatever the compute dtype.
+        On a CPU, with a prefix of at most `PLAIN_ATTENTION_MAX_LEN` tokens, all of it
+        is one autograd function of plain matmuls in the compute dtype
+        (`attention.stream_attention`); otherwise the prefix attends by torch's flash
+        attention (fp32 inside) and the rows by `prefixed_attention`. Rows without a
+        prefix attend by plain matmuls in a reduced dtype on a CPU (up to the same
+        limit), else by flash attention. `one_function=False` takes the composites
+        whatever the length (`python -m benchmarks.attention` times both).
         """
-        c = base.config
-        heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        kv, d = qk.shape[1] - heads, qk.shape[2]
+        on_cpu = qk.device.type == "cpu"
+        if one_function and self.prefix and on_cpu and self.prefix <= PLAIN_ATTENTION_MAX_LEN:
+            # one function for the whole stream: fewer ops than the composites below, and
+            # faster in either dtype (`python -m benchmarks.attention`, its stream rows)
+            return stream_attention(
+                qk, v, heads=heads, copies=self.copies, prefix=self.prefix, run_rows=self.run_rows
+            )
         out_dtype = qk.dtype
         # torch's CPU flash attention runs its backward 3x slower in bf16 than in fp32, so
         # a reduced compute dtype on a CPU attends by plain matmuls in that dtype up to
         # PLAIN_ATTENTION_MAX_LEN positions (`causal_attention`: 1.3-2.4x fp32 flash at
         # 26-300 positions, `python -m benchmarks.attention`) and by fp32 flash beyond
         # (whose memory stays linear in the length).
-        # The rows' attention to a shared prefix (`prefixed_attention`) is plain matmuls.
-        reduced = qk.device.type == "cpu" and out_dtype != torch.float32
+        reduced = on_cpu and out_dtype != torch.float32
         q, k = qk.split([heads, kv], dim=1)
         v = v.view(-1, kv, d)
 
@@ -414,28 +426,11 @@ class _Stream:
 
 
 PLAIN_ATTENTION_MAX_LEN = 384
-"""Longest sequence `_Stream.attend` attends by `causal_attention` in a reduced compute
-dtype on a CPU: from 400-600 positions on fp32 flash attention is as fast or faster
+"""Longest prefix (or, without one, row) `_Stream.attend` attends by plain matmuls on a
+CPU (`attention.stream_attention`, and without a prefix `causal_attention` in a reduced
+dtype): from 400-600 positions on fp32 flash attention is as fast or faster
 (`python -m benchmarks.attention`), and its memory stays linear in the length where
 plain scores grow with its square."""
-
-
-def _causal_bias(w: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[g*w, w] additive mask: 0 where query position (row % w) may see the key, else -inf.
-    Kept for short lengths (every layer of a pass reads the same one; at most a few MB
-    held); built per call past `PLAIN_ATTENTION_MAX_LEN`, where one would weigh tens of MB."""
-    if w <= PLAIN_ATTENTION_MAX_LEN:
-        return _kept_causal_bias(w, g, dtype, device)
-    return _build_causal_bias(w, g, dtype, device)
-
-
-def _build_causal_bias(w: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    future = torch.ones(w, w, dtype=torch.bool, device=device).triu(1)
-    zeros = torch.zeros(w, w, dtype=dtype, device=device)
-    return zeros.masked_fill(future, float("-inf")).repeat(g, 1)
-
-
-_kept_causal_bias = functools.lru_cache(maxsize=16)(_build_causal_bias)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -453,7 +448,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     b, heads, w, d = q.shape
     kv = k.shape[1]
     g = heads // kv  # query head h reads kv head h // g
-    bias = _causal_bias(w, g, q.dtype, q.device)
+    bias = causal_bias(w, g, q.dtype, q.device)
     scores = torch.baddbmm(
         bias, q.reshape(b * kv, g * w, d), k.reshape(b * kv, w, d).transpose(1, 2), alpha=d**-0.5
     )
@@ -491,7 +486,7 @@ def prefixed_attention(
     g = heads // kv  # query head h reads kv head h // g
     q = q.reshape(b, kv, g * w, d) * d**-0.5  # row i*w + t: head j*g + i, position t
     own = torch.baddbmm(  # [B, K, g*w, w], the future masked by an added -inf
-        _causal_bias(w, g, q.dtype, q.device),
+        causal_bias(w, g, q.dtype, q.device),
         q.reshape(b * kv, g * w, d),
         k.reshape(b * kv, w, d).transpose(1, 2),
     ).view(b, kv, g * w, w)
