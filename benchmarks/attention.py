@@ -1,10 +1,11 @@
 """`python -m benchmarks.attention`: the training pass's attention, one layer, by the ways
 the pass can take.
 
-`clora_feedback.train.forward._Stream.attend` attends, in a reduced compute dtype
-on a CPU, by `forward.causal_attention` (plain bf16 matmuls) up to
-`forward.PLAIN_ATTENTION_MAX_LEN` positions and by torch's flash attention in
-fp32 beyond (torch's CPU flash backward is slower in bf16 than in fp32). This
+`clora_feedback.train.forward._Stream.attend` attends rows without a shared prefix
+(and, past the one function's limit, a prefix), in a reduced compute dtype on a
+CPU, by `forward.causal_attention` (plain bf16 matmuls) up to
+`PLAIN_ATTENTION_MAX_LEN` positions and by torch's flash attention in fp32 beyond
+(torch's CPU flash backward is slower in bf16 than in fp32). This
 times one layer's attention, forward and backward, at SmolLM2-135M's heads (9
 query heads over 3 kv heads of 64) for each `--shapes` entry (rows x positions),
 alternated per repetition: `plain bf16` (`causal_attention`), `flash via fp32`
@@ -16,7 +17,7 @@ milliseconds per shape and way, and flash via fp32 / plain bf16 per shape (above
 Then the whole stream of a pass with a shared prefix (`--streams`: R prefix copies
 of P tokens, then B rows of W own tokens, one run of rows per copy), in fp32 and
 bf16: `one function` (`attention.stream_attention`, what a pass on a CPU uses up to
-the limit) against `composites` (the prefix by `causal_attention` in bf16 or flash
+its limits) against `composites` (the prefix by `causal_attention` in bf16 or flash
 in fp32, the rows by `forward.prefixed_attention`: what a pass did before, and does
 past the limit), alternated per repetition; reported as composites / one function
 per stream and dtype. Prints the CPU model and flags. Not a test: nothing asserts.
@@ -87,9 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--streams",
         type=lambda text: [_stream(s) for s in text.split(",")],
-        default=[(1, 141, 8, 26), (2, 141, 8, 26), (1, 300, 4, 64)],
-        help="prefix copies x prefix tokens + rows x row tokens, comma-separated "
-        "(default: 1x141+8x26,2x141+8x26,1x300+4x64; the rows split evenly over the copies).",
+        default=[
+            (1, 141, 8, 26),
+            (2, 141, 8, 26),
+            (1, 200, 8, 26),
+            (1, 256, 8, 26),
+            (1, 300, 4, 64),
+        ],
+        help="prefix copies x prefix tokens + rows x row tokens, comma-separated (default: "
+        "1x141+8x26,2x141+8x26,1x200+8x26,1x256+8x26,1x300+4x64; the rows split evenly "
+        "over the copies).",
     )
     p.add_argument("--reps", type=int, default=20, help="Timed repetitions per shape and way.")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all).")

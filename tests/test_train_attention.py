@@ -55,24 +55,32 @@ def _reference(
 
 
 @pytest.mark.parametrize(
-    "run_rows", [[3], [2, 3], [1, 1, 2]], ids=["one run", "two runs", "three runs"]
+    "run_rows,heads,kv",
+    [([3], 6, 2), ([2, 3], 6, 2), ([1, 1, 2], 6, 2), ([1, 4], 4, 4), ([2, 1], 4, 1)],
+    ids=["one run", "two runs", "three runs", "a one-row run, no grouping", "one kv head"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stream_attention_matches_sdpa_values_and_gradients(
-    dtype: torch.dtype, run_rows: list[int]
+    dtype: torch.dtype, run_rows: list[int], heads: int, kv: int
 ) -> None:
-    gen = torch.Generator().manual_seed(len(run_rows))
-    heads, kv, d, prefix, w = 6, 2, 8, 5, 4
+    gen = torch.Generator().manual_seed(len(run_rows) + heads + kv)
+    d, prefix, w = 8, 5, 4
     copies = len(run_rows)
     n = copies * prefix + sum(run_rows) * w
     qk = torch.randn(n, heads + kv, d, generator=gen)
-    v = torch.randn(n, kv * d, generator=gen)
+    # the values as the pass has them: a column split of the fused projection's output
+    v = torch.randn(n, kv * d + 3, generator=gen)[:, 3:]
     weights = torch.randn(n, heads * d, generator=gen)
 
     def run(fn, dt: torch.dtype):  # type: ignore[no-untyped-def]
-        leaves = [qk.to(dt).requires_grad_(True), v.to(dt).requires_grad_(True)]
-        out = fn(*leaves, heads, copies, prefix, run_rows)
-        return (out, *torch.autograd.grad((out * weights.to(dt)).sum(), leaves))
+        v_wide = torch.zeros(n, kv * d + 3, dtype=dt)
+        v_wide[:, 3:] = v
+        leaves = [qk.to(dt).requires_grad_(True), v_wide.requires_grad_(True)]
+        v_in = leaves[1][:, 3:]  # not contiguous: rows kv * d + 3 apart
+        out = fn(leaves[0], v_in, heads, copies, prefix, run_rows)
+        d_qk, d_v = torch.autograd.grad((out * weights.to(dt)).sum(), leaves)
+        assert torch.all(d_v[:, :3] == 0)  # nothing reaches the columns beside the values
+        return out, d_qk, d_v[:, 3:]
 
     def fast(qk: torch.Tensor, v: torch.Tensor, *shape: object) -> torch.Tensor:
         h, c, p, rows = shape

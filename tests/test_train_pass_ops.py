@@ -174,6 +174,7 @@ def test_a_pass_on_a_cpu_attends_by_plain_matmuls_only_up_to_the_length_limit(
         layers = policy.base.config.num_layers
         for limit in (384, 2):
             monkeypatch.setattr(forward, "PLAIN_ATTENTION_MAX_LEN", limit)
+            monkeypatch.setattr(forward, "FP32_ONE_FUNCTION_MAX_PREFIX", limit)
             for name, packed in (("prefix", with_prefix), ("no prefix", without)):
                 counted.clear()
                 with torch.no_grad():

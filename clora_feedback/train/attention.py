@@ -6,11 +6,14 @@ tokens each. Each prefix copy attends causally to itself; each row attends to
 its run's prefix copy and causally to its own tokens. Written as composites of
 batched matmuls, autograd's backward of that is some hundred small ops a layer
 (the transposes of every view, the splits and cats of the two score blocks);
-`stream_attention` is one autograd function instead: the head-major copies of
-queries, keys and values it needs are made once, the queries scaled as they
-are copied; each score block is one batched matmul with its causal mask as an
-added bias; each softmax covers a whole block; and its backward writes the
-query, key and value gradients straight into the stream's layout.
+`stream_attention` is one autograd function instead (3 autograd nodes a layer
+where the composites make 60-100): the head-major copies of queries, keys and
+values it needs are made once, the queries scaled as they are copied (exact
+for a power-of-two scale such as head dim 64's; otherwise one rounding, as
+`forward.prefixed_attention` has); each score block is one batched matmul with
+its causal mask as an added bias; each softmax covers a whole block; and its
+backward writes the query, key and value gradients straight into the stream's
+layout.
 
 Query heads that share a kv head (grouped-query attention, g = heads / kv) are
 stacked as rows of one matmul: head-major tensors are [kv, g * positions, D].
@@ -30,15 +33,19 @@ from typing import Any
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-KEPT_BIAS_MAX_LEN = 384
-"""Longest length whose causal bias is kept between calls (at most a few MB each)."""
+PLAIN_ATTENTION_MAX_LEN = 384
+"""Longest prefix (or, without one, row) a reduced compute dtype on a CPU attends by plain
+matmuls (`forward._Stream.attend`): from 400-600 positions on torch's flash attention in
+fp32 is as fast or faster (`python -m benchmarks.attention`), and its memory stays linear
+in the length where plain scores grow with its square. Causal biases up to this length are
+kept between calls."""
 
 
 def causal_bias(w: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[g*w, w] additive mask: 0 where query position (row % w) may see the key, else -inf.
-    Kept for lengths up to `KEPT_BIAS_MAX_LEN` (every layer of a pass reads the same one);
+    Kept for lengths up to `PLAIN_ATTENTION_MAX_LEN` (every layer of a pass reads the same one);
     built per call past it, where one would weigh tens of MB."""
-    if w <= KEPT_BIAS_MAX_LEN:
+    if w <= PLAIN_ATTENTION_MAX_LEN:
         return _kept_causal_bias(w, g, dtype, device)
     return _build_causal_bias(w, g, dtype, device)
 
@@ -133,6 +140,8 @@ class _StreamAttention(torch.autograd.Function):
 
         # the prefix copies
         d_vp = torch.bmm(probs_p.transpose(1, 2), grad_p)  # [R*K, P, D]
+        # softmax's backward as autograd runs it (a private op, stable since torch 1.11;
+        # tests/test_train_attention.py fails if it changes)
         d_scores = torch._softmax_backward_data(
             torch.bmm(grad_p, v_p.view(copies * kv, p, d).transpose(1, 2)), probs_p, -1, dtype
         )
@@ -199,7 +208,8 @@ def stream_attention(
         qk: [N, heads + kv, D] queries then keys of every stream token (RoPE applied).
         v: [N, kv * D] values.
         heads: query heads (a multiple of kv).
-        copies: R prefix copies of `prefix` tokens each (prefix > 0), one per run.
+        copies: R prefix copies, one per run.
+        prefix: P > 0 tokens in each copy.
         run_rows: rows per run, in order; the rows share one width (N - R*P) / B.
 
     Returns:

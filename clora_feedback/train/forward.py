@@ -24,8 +24,9 @@ model: the reference policy for the KL term, with no second model in memory.
 
 Precision: the pass computes in the base weights' dtype (the trainer's
 compute dtype, see `policy`). In bf16 the activations, the base GEMMs and the
-LoRA matmuls are bf16, and so is attention on a CPU up to `PLAIN_ATTENTION_MAX_LEN`
-positions (plain matmuls; fp32 flash attention past it); each agent's fp32 master
+LoRA matmuls are bf16, and so is attention on a CPU (plain matmuls, see `_Stream.attend`;
+fp32 flash attention for a prefix, or rows without one, past `PLAIN_ATTENTION_MAX_LEN`
+tokens); each agent's fp32 master
 is cast once per pass (its gradient comes back through that cast and accumulates
 in fp32), and the final
 norm, the vocabulary projection and the log-softmax run in fp32 on an fp32
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from clora_feedback.lora.weights import module_key
 from clora_feedback.model.base import GROUPS, BaseWeights
 from clora_feedback.model.decoder import rope_signed, signed_sin
-from clora_feedback.train.attention import causal_bias, stream_attention
+from clora_feedback.train.attention import PLAIN_ATTENTION_MAX_LEN, causal_bias, stream_attention
 from clora_feedback.train.fused import (
     LoRAPiece,
     frozen_linear,
@@ -369,19 +370,27 @@ class _Stream:
         Each prefix copy attends causally to itself; each row attends to its run's
         prefix copy and causally to its own tokens (right padding is never seen by a
         real token). Softmaxes compute in fp32 inside whatever the compute dtype.
-        On a CPU, with a prefix of at most `PLAIN_ATTENTION_MAX_LEN` tokens, all of it
-        is one autograd function of plain matmuls in the compute dtype
-        (`attention.stream_attention`); otherwise the prefix attends by torch's flash
-        attention (fp32 inside) and the rows by `prefixed_attention`. Rows without a
-        prefix attend by plain matmuls in a reduced dtype on a CPU (up to the same
-        limit), else by flash attention. `one_function=False` takes the composites
-        whatever the length (`python -m benchmarks.attention` times both).
+
+        On a CPU with a shared prefix of at most `PLAIN_ATTENTION_MAX_LEN` tokens in a
+        reduced dtype (`FP32_ONE_FUNCTION_MAX_PREFIX` in fp32), all of it is one
+        autograd function of plain matmuls in the compute dtype
+        (`attention.stream_attention`). Otherwise the composites: the prefix by
+        `causal_attention` (plain matmuls) in a reduced dtype on a CPU up to
+        `PLAIN_ATTENTION_MAX_LEN`, else by torch's flash attention (on a CPU in a
+        reduced dtype through fp32); the rows by `prefixed_attention` (plain matmuls,
+        any width); rows without a prefix as the prefix. `one_function=False` takes
+        the composites whatever the length (`python -m benchmarks.attention` times
+        both ways).
         """
         kv, d = qk.shape[1] - heads, qk.shape[2]
         on_cpu = qk.device.type == "cpu"
-        if one_function and self.prefix and on_cpu and self.prefix <= PLAIN_ATTENTION_MAX_LEN:
-            # one function for the whole stream: fewer ops than the composites below, and
-            # faster in either dtype (`python -m benchmarks.attention`, its stream rows)
+        limit = (
+            PLAIN_ATTENTION_MAX_LEN if qk.dtype != torch.float32 else FP32_ONE_FUNCTION_MAX_PREFIX
+        )
+        if one_function and self.prefix and on_cpu and self.prefix <= limit:
+            # one function for the whole stream, a few autograd nodes where the composites
+            # below make some hundred: as fast or faster in either dtype up to these limits
+            # (`python -m benchmarks.attention`, its stream rows)
             return stream_attention(
                 qk, v, heads=heads, copies=self.copies, prefix=self.prefix, run_rows=self.run_rows
             )
@@ -425,12 +434,13 @@ class _Stream:
         return flat + self.copies * self.prefix
 
 
-PLAIN_ATTENTION_MAX_LEN = 384
-"""Longest prefix (or, without one, row) `_Stream.attend` attends by plain matmuls on a
-CPU (`attention.stream_attention`, and without a prefix `causal_attention` in a reduced
-dtype): from 400-600 positions on fp32 flash attention is as fast or faster
-(`python -m benchmarks.attention`), and its memory stays linear in the length where
-plain scores grow with its square."""
+FP32_ONE_FUNCTION_MAX_PREFIX = 256
+"""Longest prefix an fp32 pass on a CPU attends by `attention.stream_attention` (plain
+fp32 matmuls for the prefix, where the composites take torch's flash kernel):
+composites / one function 1.2x at 141 prefix tokens, 1.1x at 200, even at 256 and 300
+(`python -m benchmarks.attention`, its fp32 stream rows). Past it the composites keep
+flash's memory, linear in the length, where the one function saves the prefix's
+[P, P] probabilities per head (2.4 MB a layer at 256 tokens and SmolLM2's 9 heads)."""
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
