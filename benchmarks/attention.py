@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -119,18 +119,34 @@ def _seconds(way: Attention, rows: int, length: int, gen: torch.Generator) -> fl
     return time.perf_counter() - t0
 
 
+def _alternate(
+    ways: Sequence[str],
+    reps: int,
+    seconds_of: Callable[[str], float],
+    label: str,
+    into: dict[str, list[float]],
+) -> None:
+    """Time each way once untimed (kernels built, buffers touched), then `reps` times,
+    the order reversed every other repetition; seconds land under "label, way"."""
+    for way in ways:
+        seconds_of(way)
+    for rep in range(reps):
+        for way in ways if rep % 2 == 0 else ways[::-1]:
+            into.setdefault(f"{label}, {way}", []).append(seconds_of(way))
+
+
 def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     """Seconds per (shape, way), the ways alternated per repetition after one warm-up each."""
     gen = torch.Generator().manual_seed(0)
     seconds: dict[str, list[float]] = {}
     for rows, length in args.shapes:
-        names = list(WAYS)
-        for name in names:
-            _seconds(WAYS[name], rows, length, gen)  # kernels built, buffers touched
-        for rep in range(args.reps):
-            for name in names if rep % 2 == 0 else names[::-1]:
-                key = f"{rows}x{length}, {name}"
-                seconds.setdefault(key, []).append(_seconds(WAYS[name], rows, length, gen))
+        _alternate(
+            list(WAYS),
+            args.reps,
+            lambda way: _seconds(WAYS[way], rows, length, gen),  # noqa: B023  (called at once)
+            f"{rows}x{length}",
+            seconds,
+        )
     return seconds
 
 
@@ -162,12 +178,13 @@ def measure_streams(args: argparse.Namespace) -> dict[str, list[float]]:
     seconds: dict[str, list[float]] = {}
     for shape in args.streams:
         for dtype in (torch.float32, torch.bfloat16):
-            for way in STREAM_WAYS:
-                _stream_seconds(way, shape, dtype, gen)
-            for rep in range(args.reps):
-                for way in STREAM_WAYS if rep % 2 == 0 else STREAM_WAYS[::-1]:
-                    key = f"{_stream_key(shape, dtype)}, {way}"
-                    seconds.setdefault(key, []).append(_stream_seconds(way, shape, dtype, gen))
+            _alternate(
+                STREAM_WAYS,
+                args.reps,
+                lambda way: _stream_seconds(way, shape, dtype, gen),  # noqa: B023  (called at once)
+                _stream_key(shape, dtype),
+                seconds,
+            )
     return seconds
 
 
